@@ -1,0 +1,82 @@
+# The course's front door. `make help` lists every target.
+#
+# Variables: NPROC (processes per node, default 2), NNODES (default 1), BACKEND (gloo|nccl, default auto),
+# EPOCHS and DATASET (passed to the training scripts when set), ARGS (passed through as is).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+NPROC   ?= 2
+NNODES  ?= 1
+BACKEND ?=
+EPOCHS  ?=
+DATASET ?=
+ARGS    ?=
+
+# flags for every training script; distributed ones also get the backend
+TRAIN_ARGS := $(if $(EPOCHS),--epochs $(EPOCHS)) $(if $(DATASET),--dataset $(DATASET)) $(ARGS)
+DIST_ARGS  := $(if $(BACKEND),--backend $(BACKEND)) $(TRAIN_ARGS)
+
+.DEFAULT_GOAL := help
+.PHONY: help setup data smoke test test-fast notebooks diffs lint clean distclean check-nproc \
+        dataparallel dp-shapes ddp-basics ddp-spawn
+
+help: ## list the targets
+	@echo "usage: make TARGET [NPROC=2] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
+	@grep -hE '^[a-z0-9][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-18s %s\n", $$1, $$2}'
+
+# ------------------------------------------------------------------ setup
+
+$(STAMP): requirements.txt requirements-dev.txt requirements-dev.lock pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: Python 3.10 or newer is needed, this is " + sys.version.split()[0])'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing torch 2.14.1, torchvision 0.29.1 and the dev tools into $(VENV) (about a minute) ..."
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt -c requirements-dev.lock
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . 2>/dev/null \
+	  || $(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	@touch $@
+	@echo "setup done: activate with 'source $(VENV)/bin/activate'"
+
+setup: $(STAMP) ## create .venv and install the pinned dependencies (once; idempotent)
+
+data: $(STAMP) ## download real MNIST and CIFAR-10 into data/ (needs internet), and write the offline stand-ins
+	$(PY) -c 'import common; [print(n, "->", common.try_download(n, "data") or "ok") for n in ("mnist", "cifar10")]'
+	$(PY) -c 'import common; [common.prepare_data(n, "data") for n in ("mnist-standin", "cifar10-standin")]'
+
+check-nproc:
+	@case "$(NPROC)" in ''|*[!0-9]*|0) echo "error: NPROC must be a whole number of at least 1 (got '$(NPROC)')" >&2; exit 2;; esac
+
+# ------------------------------------------------------------------ 01: single process and DataParallel
+
+smoke: $(STAMP) ## the single-process MNIST baseline, one epoch on the offline stand-in
+	$(PY) 01_dataparallel/mnist_single.py --dataset mnist-standin --epochs 1 $(ARGS)
+
+# ------------------------------------------------------------------ tests and tools
+
+PYTEST := $(PY) -m pytest
+NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+
+test: $(STAMP) ## lint, then everything that runs on CPU: unit, multi-process and notebook tests (CI runs this)
+	$(VENV)/bin/ruff check .
+	$(PYTEST) tests notebooks $(NBVAL)
+
+test-fast: $(STAMP) ## the quick subset for the edit loop (no slow multi-process runs, no notebooks)
+	$(PYTEST) tests -m "not slow"
+
+notebooks: $(STAMP) ## execute every notebook and compare it with its saved output (nbval)
+	$(PYTEST) notebooks $(NBVAL)
+
+diffs: $(STAMP) ## rewrite the step-to-step diffs of the MNIST chain in the section READMEs
+	$(PY) tools/chain_diffs.py --write
+
+lint: $(STAMP) ## ruff
+	$(VENV)/bin/ruff check .
+
+clean: ## remove checkpoints, runs and caches
+	rm -rf checkpoints runs .pytest_cache .ruff_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean ## also remove the virtualenv and all data
+	rm -rf $(VENV) data *.egg-info

@@ -1,0 +1,613 @@
+"""The boring, non-distributed parts that every script of the course shares.
+
+Models, data sets (real torchvision loaders and offline stand-ins), seeding, device and
+backend choice, command-line defaults, rank-0 printing, progress bars, atomic file writes
+and free ports. Nothing in this file calls torch.distributed: every line that is about
+distribution lives in the numbered script that teaches it.
+
+Copy this file next to any script of the course and the script runs on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pickle
+import random
+import socket
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
+from tqdm import tqdm
+
+# --------------------------------------------------------------------------- models
+
+
+class ConvNet(nn.Module):
+    """The small MNIST network of the course: two conv + BatchNorm + pool blocks, one linear layer."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.layer1 = nn.Sequential(
+            nn.Conv2d(1, 16, kernel_size=5, padding=2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2)
+        )
+        self.layer2 = nn.Sequential(
+            nn.Conv2d(16, 32, kernel_size=5, padding=2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2)
+        )
+        self.fc = nn.Linear(7 * 7 * 32, num_classes)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(x))
+        return self.fc(x.flatten(1))
+
+
+class ToyModel(nn.Module):
+    """Two linear layers (10 -> 10 -> 5): big enough to have gradients, small enough to print."""
+
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(10, 10)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.net2(self.relu(self.net1(x)))
+
+
+class ToyMpModel(nn.Module):
+    """ToyModel split over two devices (model parallelism): net1 on dev0, net2 on dev1."""
+
+    def __init__(self, dev0, dev1):
+        super().__init__()
+        self.dev0, self.dev1 = torch.device(dev0), torch.device(dev1)
+        self.net1 = nn.Linear(10, 10).to(self.dev0)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5).to(self.dev1)
+
+    def forward(self, x):
+        x = self.relu(self.net1(x.to(self.dev0)))
+        return self.net2(x.to(self.dev1))
+
+
+def resnet18_cifar(num_classes: int = 10) -> nn.Module:
+    """torchvision's ResNet-18 adapted to 32x32 images: a 3x3 stem with stride 1 and no max-pool."""
+    from torchvision.models import resnet18
+
+    model = resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+class RandomDataset(Dataset):
+    """`length` random vectors of size `features` (the DataParallel shape demo's input)."""
+
+    def __init__(self, length: int, features: int, seed: int = 0):
+        self.data = torch.randn(length, features, generator=torch.Generator().manual_seed(seed))
+
+    def __getitem__(self, index):
+        return self.data[index]
+
+    def __len__(self):
+        return len(self.data)
+
+
+class RangeDataset(Dataset):
+    """The numbers 0 .. length-1 as floats: easy to see which sample went to which rank."""
+
+    def __init__(self, length: int):
+        self.data = torch.arange(length, dtype=torch.float32)
+
+    def __getitem__(self, index):
+        return self.data[index]
+
+    def __len__(self):
+        return len(self.data)
+
+
+# --------------------------------------------------------------------------- seeding and devices
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python and torch (all devices) so two runs with the same seed start identically."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class UsageError(ValueError):
+    """A request that cannot work; the message says what to do instead."""
+
+
+def choose_device_backend(device: str = "auto", backend: str = "auto", nproc_per_node: int = 1):
+    """Pick (device type, backend): CUDA + NCCL when there is one GPU per process, else CPU + Gloo.
+
+    `device` and `backend` override the automatic choice; impossible requests raise UsageError.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if nproc_per_node < 1:
+        raise UsageError(f"the number of processes per node must be at least 1, got {nproc_per_node}")
+    if device == "cuda" and gpus == 0:
+        raise UsageError("--device cuda: no CUDA GPU is visible (torch.cuda.is_available() is False); use --device cpu")
+    if backend == "nccl":
+        if gpus == 0:
+            raise UsageError("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo on a CPU machine")
+        if device == "cpu":
+            raise UsageError("--backend nccl works on CUDA tensors only; drop --device cpu or use --backend gloo")
+        if nproc_per_node > gpus:
+            raise UsageError(
+                f"NCCL needs one GPU per process: {nproc_per_node} processes per node but {gpus} GPU(s) here; "
+                f"start at most {gpus} per node or use --backend gloo"
+            )
+    if device == "auto":
+        use_cuda = gpus >= nproc_per_node or (backend == "nccl" and gpus > 0)
+        device = "cuda" if use_cuda else "cpu"
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" and gpus >= nproc_per_node else "gloo"
+    return device, backend
+
+
+# --------------------------------------------------------------------------- command line
+
+MNIST_DATASETS = ("auto", "mnist", "mnist-standin")
+CIFAR_DATASETS = ("auto", "cifar10", "cifar10-standin")
+
+
+def add_common_args(parser: argparse.ArgumentParser, *, family: str = "mnist", epochs: int = 2,
+                    batch_size: int = 64, lr: float = 0.01, distributed: bool = True) -> None:
+    """The flags every training script shares (see the course README for their meaning)."""
+    choices = MNIST_DATASETS if family == "mnist" else CIFAR_DATASETS
+    parser.add_argument("--epochs", type=int, default=epochs, help="passes over the training set (default %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=batch_size,
+                        help="samples per step per process (default %(default)s)")
+    parser.add_argument("--lr", type=float, default=lr, help="learning rate (default %(default)s)")
+    parser.add_argument("--dataset", default="auto", choices=choices,
+                        help="real data, the offline stand-in, or auto: real when present or downloadable")
+    parser.add_argument("--data-dir", default="data", help="where data sets live (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
+    parser.add_argument("--max-steps", type=int, default=0,
+                        help="stop each epoch after this many steps; 0 = whole epoch (for smoke runs)")
+    parser.add_argument("--checkpoint-dir", default="",
+                        help="write a checkpoint here after every epoch (default: none)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="auto = CUDA when there is a GPU for every process, else CPU")
+    if distributed:
+        parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                            help="auto = NCCL on CUDA, Gloo on CPU")
+        parser.add_argument("--timeout", type=float, default=60.0,
+                            help="seconds any collective may wait before the job fails (default %(default)s)")
+
+
+def check_args(parser: argparse.ArgumentParser, args, nproc_per_node: int = 1):
+    """Validate the shared flags; bad input ends with one clear line (parser.error), not a traceback.
+
+    Fills in args.device and, for distributed scripts, args.backend with the concrete choice.
+    """
+    for name in ("epochs", "batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_steps < 0:
+        parser.error("--max-steps must be 0 (no limit) or positive")
+    if getattr(args, "timeout", 1) <= 0:
+        parser.error("--timeout must be positive (seconds)")
+    data_dir = Path(args.data_dir)
+    if data_dir.exists() and not data_dir.is_dir():
+        parser.error(f"--data-dir {data_dir} is not a directory")
+    if data_dir.exists() and not os.access(data_dir, os.R_OK | os.X_OK):
+        parser.error(f"--data-dir {data_dir} is not readable")
+    try:
+        args.device, backend = choose_device_backend(args.device, getattr(args, "backend", "auto"), nproc_per_node)
+    except UsageError as err:
+        parser.error(str(err))
+    if hasattr(args, "backend"):
+        args.backend = backend
+    return args
+
+
+# --------------------------------------------------------------------------- printing
+
+
+def print0(rank: int, *parts) -> None:
+    """Print one whole line, from rank 0 only (other ranks stay quiet)."""
+    if rank == 0:
+        print(" ".join(str(p) for p in parts), flush=True)
+
+
+def progress(iterable, rank: int, desc: str = "", total: int | None = None):
+    """A tqdm bar on rank 0; on other ranks the bare iterable."""
+    if rank != 0:
+        return iterable
+    interactive = sys.stderr.isatty()
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True,
+                mininterval=0.1 if interactive else 5.0, file=sys.stderr)
+
+
+def final_line(*, test_acc: float, test_samples: int, world_size: int, epochs: int, seconds: float,
+               dataset: str, **extra) -> str:
+    """The summary every training script prints last, on rank 0; tests parse it."""
+    line = (f"final: test_acc={test_acc:.4f} test_samples={test_samples} world_size={world_size} "
+            f"epochs={epochs} seconds={seconds:.1f} dataset={dataset}")
+    for key, value in extra.items():
+        line += f" {key}={value:.4f}" if isinstance(value, float) else f" {key}={value}"
+    return line
+
+
+# --------------------------------------------------------------------------- files and ports
+
+
+def _atomic_write(path, write) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself survive a power cut
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def atomic_write_bytes(data: bytes, path) -> Path:
+    """Write `data` to `path` so that a crash mid-write leaves the previous file intact."""
+    return _atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_save(obj, path) -> Path:
+    """torch.save through a temp file, fsync and os.replace: a killed save never corrupts `path`."""
+    return _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it; another program could still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rng_state() -> dict:
+    """Python and torch RNG states, in a form that torch.load(weights_only=True) accepts."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------- data: stand-ins
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+STANDIN_SIZES = {"mnist": (24000, 4000), "cifar10": (10000, 2000)}  # (train, test) images
+STANDIN_SUBDIR = "standin"
+
+# Digit glyphs, 7 rows x 5 columns, two hand styles each; '#' is ink.
+_GLYPHS = {
+    0: [" ### ,#   #,#  ##,# # #,##  #,#   #, ### ", " ### ,#   #,#   #,#   #,#   #,#   #, ### "],
+    1: ["  #  , ##  ,  #  ,  #  ,  #  ,  #  , ### ", "   # ,  ## , # # ,   # ,   # ,   # ,   # "],
+    2: [" ### ,#   #,    #,   # ,  #  , #   ,#####", " ### ,#   #,    #,  ## , #   ,#    ,#####"],
+    3: ["#####,   # ,  #  ,   # ,    #,#   #, ### ", " ### ,#   #,    #,  ## ,    #,#   #, ### "],
+    4: ["   # ,  ## , # # ,#  # ,#####,   # ,   # ", "#   #,#   #,#   #,#####,    #,    #,    #"],
+    5: ["#####,#    ,#### ,    #,    #,#   #, ### ", "#####,#    ,#    ,#### ,    #,    #,#### "],
+    6: ["  ## , #   ,#    ,#### ,#   #,#   #, ### ", " ### ,#    ,#    ,#### ,#   #,#   #, ### "],
+    7: ["#####,    #,   # ,  #  , #   , #   , #   ", "#####,    #,   # , ### ,  #  ,  #  ,  #  "],
+    8: [" ### ,#   #,#   #, ### ,#   #,#   #, ### ", " ### ,#   #, # # ,  #  , # # ,#   #, ### "],
+    9: [" ### ,#   #,#   #, ####,    #,   # , ##  ", " ### ,#   #,#   #, ####,    #,    #, ### "],
+}
+
+
+def _glyph_bank() -> torch.Tensor:
+    """(10, styles, 1, 7, 5) float tensor of the digit bitmaps."""
+    bank = [[[[c == "#" for c in row] for row in style.split(",")] for style in _GLYPHS[d]] for d in range(10)]
+    return torch.tensor(bank, dtype=torch.float32).unsqueeze(2)
+
+
+def make_mnist_standin(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n` handwriting-like 28x28 uint8 digits and their labels, deterministic for a seed.
+
+    Each image is a bitmap glyph warped by a random affine map and a smooth random
+    displacement field, with random stroke width, blur, clutter and noise: learnable, but
+    hard enough that a small ConvNet does not reach 100 % at once.
+    """
+    g = torch.Generator().manual_seed(seed)
+    bank = _glyph_bank()
+    labels = torch.randint(0, 10, (n,), generator=g)
+    styles = torch.randint(0, bank.shape[1], (n,), generator=g)
+    images = torch.empty(n, 28, 28, dtype=torch.uint8)
+    for start in range(0, n, 4096):
+        sl = slice(start, min(n, start + 4096))
+        m = sl.stop - sl.start
+        glyph = bank[labels[sl], styles[sl]]  # (m, 1, 7, 5)
+        canvas = F.pad(F.interpolate(glyph, size=(20, 14), mode="bilinear", align_corners=False), (7, 7, 4, 4))
+        thick = torch.rand(m, generator=g) < 0.5  # bolder pen for half of them
+        canvas = torch.where(thick.view(m, 1, 1, 1), F.max_pool2d(canvas, 3, 1, 1), canvas)
+        angle = (torch.rand(m, generator=g) - 0.5) * math.radians(40)
+        scale = 0.8 + 0.4 * torch.rand(m, generator=g)
+        shear = (torch.rand(m, generator=g) - 0.5) * 0.6
+        shift = (torch.rand(m, 2, generator=g) - 0.5) * 0.35
+        cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
+        theta = torch.stack([torch.stack([cos, -sin + shear, shift[:, 0]], 1),
+                             torch.stack([sin, cos, shift[:, 1]], 1)], 1)
+        grid = F.affine_grid(theta, (m, 1, 28, 28), align_corners=False)
+        wobble = F.interpolate(torch.randn(m, 2, 4, 4, generator=g) * 0.08, size=(28, 28), mode="bicubic",
+                               align_corners=False).permute(0, 2, 3, 1)
+        img = F.grid_sample(canvas, grid + wobble, mode="bilinear", padding_mode="zeros", align_corners=False)
+        # clutter: a stray stroke in a third of the images
+        stray = torch.zeros(m, 1, 28, 28)
+        rows = torch.randint(0, 28, (m,), generator=g)
+        cols = torch.randint(0, 20, (m,), generator=g)
+        has = torch.rand(m, generator=g) < 0.33
+        for k in range(6):
+            stray[torch.arange(m), 0, rows, (cols + k).clamp(max=27)] = has.float() * 0.8
+        img = torch.maximum(img, stray)
+        img = F.avg_pool2d(F.pad(img, (1, 1, 1, 1), mode="replicate"), 3, 1) * 0.6 + img * 0.4  # soft ink
+        img = img * (0.6 + 0.4 * torch.rand(m, 1, 1, 1, generator=g)) + 0.12 * torch.randn(img.shape, generator=g)
+        images[sl] = (img.clamp(0, 1) * 255).round().to(torch.uint8).squeeze(1)
+    return images, labels
+
+
+def make_cifar_standin(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n` 32x32 RGB uint8 images (N, 32, 32, 3) of ten procedural classes, and labels.
+
+    Each class is a shape or texture (disc, square, ring, cross, stripes, checks, ...) with
+    random colour, size, position, background and noise.
+    """
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 10, (n,), generator=g)
+    yy, xx = torch.meshgrid(torch.linspace(-1, 1, 32), torch.linspace(-1, 1, 32), indexing="ij")
+    cx, cy = [(torch.rand(n, 1, 1, generator=g) - 0.5) * 0.8 for _ in range(2)]
+    r = 0.35 + 0.3 * torch.rand(n, 1, 1, generator=g)
+    x, y = xx - cx, yy - cy
+    freq = 6 + 6 * torch.rand(n, 1, 1, generator=g)
+    masks = torch.stack([
+        (x**2 + y**2 < r**2).float(),                                          # disc
+        ((x.abs() < r) & (y.abs() < r)).float(),                               # square
+        ((x**2 + y**2 < r**2) & (x**2 + y**2 > (0.6 * r) ** 2)).float(),       # ring
+        (((x.abs() < r / 4) & (y.abs() < r)) | ((y.abs() < r / 4) & (x.abs() < r))).float(),  # cross
+        (torch.sin(freq * yy) > 0).float(),                                    # horizontal stripes
+        (torch.sin(freq * xx) > 0).float(),                                    # vertical stripes
+        (torch.sin(freq * (xx + yy) / 1.4) > 0).float(),                       # diagonal stripes
+        ((torch.sin(freq * xx) > 0) ^ (torch.sin(freq * yy) > 0)).float(),     # checks
+        ((y > -r) & (y < r) & (x.abs() < (y + r) / 2)).float(),                # triangle
+        ((x.abs() + y.abs()) < r).float(),                                     # diamond
+    ], 1)
+    mask = masks[torch.arange(n), labels].unsqueeze(1)  # (n, 1, 32, 32)
+    fg = torch.rand(n, 3, 1, 1, generator=g)
+    bg = torch.rand(n, 3, 1, 1, generator=g)
+    bg = torch.where((fg - bg).abs().sum(1, keepdim=True) < 0.6, 1 - fg, bg)  # keep the shape visible
+    img = mask * fg + (1 - mask) * bg + 0.1 * torch.randn(n, 3, 32, 32, generator=g)
+    img = (img.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+    return img, labels
+
+
+def _idx_bytes(t: torch.Tensor) -> bytes:
+    """A uint8 tensor in MNIST's IDX format (magic 0x0000080N, big-endian sizes, raw bytes)."""
+    header = struct.pack(">HBB", 0, 0x08, t.dim()) + struct.pack(f">{t.dim()}I", *t.shape)
+    return header + t.numpy().tobytes()
+
+
+def write_mnist_standin(root, sizes=None, seed: int = 1234) -> Path:
+    """Write the MNIST stand-in as IDX files under root/MNIST/raw (where torchvision.datasets.MNIST looks)."""
+    raw = Path(root) / "MNIST" / "raw"
+    n_train, n_test = sizes or STANDIN_SIZES["mnist"]
+    for prefix, n, s in (("train", n_train, seed), ("t10k", n_test, seed + 1)):
+        images, labels = make_mnist_standin(n, s)
+        atomic_write_bytes(_idx_bytes(images), raw / f"{prefix}-images-idx3-ubyte")
+        atomic_write_bytes(_idx_bytes(labels.to(torch.uint8)), raw / f"{prefix}-labels-idx1-ubyte")
+    return raw
+
+
+CIFAR_CLASSES = ["disc", "square", "ring", "cross", "h-stripes", "v-stripes", "d-stripes", "checks",
+                 "triangle", "diamond"]
+CIFAR_STANDIN_FOLDER = "cifar-10-standin-py"
+
+
+def write_cifar_standin(root, sizes=None, seed: int = 4321) -> Path:
+    """Write the CIFAR-10 stand-in as pickled batches, in CIFAR-10's own python format."""
+    folder = Path(root) / CIFAR_STANDIN_FOLDER
+    n_train, n_test = sizes or STANDIN_SIZES["cifar10"]
+    train_x, train_y = make_cifar_standin(n_train, seed)
+    test_x, test_y = make_cifar_standin(n_test, seed + 1)
+
+    def batch(x, y, name):  # CIFAR rows are 3072 bytes: the R plane, then G, then B
+        return {"batch_label": name, "labels": y.tolist(), "data": x.permute(0, 3, 1, 2).reshape(len(x), -1).numpy(),
+                "filenames": [f"{name}_{i}.png" for i in range(len(x))]}
+
+    for i, part in enumerate(torch.arange(n_train).chunk(5)):
+        atomic_write_bytes(pickle.dumps(batch(train_x[part], train_y[part], f"training batch {i + 1} of 5")),
+                           folder / f"data_batch_{i + 1}")
+    atomic_write_bytes(pickle.dumps(batch(test_x, test_y, "testing batch 1 of 1")), folder / "test_batch")
+    meta = {"label_names": CIFAR_CLASSES, "num_cases_per_batch": n_train // 5, "num_vis": 3072}
+    atomic_write_bytes(pickle.dumps(meta), folder / "batches.meta")
+    return folder
+
+
+_cifar_standin_cls = None
+
+
+def cifar10_standin_class():
+    """torchvision's CIFAR10 loader pointed at the stand-in files (no md5 check: they are generated).
+
+    Built on first use so that importing common does not import torchvision (about 1 s).
+    """
+    global _cifar_standin_cls
+    if _cifar_standin_cls is None:
+        from torchvision.datasets import CIFAR10
+
+        class CIFAR10StandIn(CIFAR10):
+            base_folder = CIFAR_STANDIN_FOLDER
+            train_list = [[f"data_batch_{i}", None] for i in range(1, 6)]
+            test_list = [["test_batch", None]]
+            meta = {"filename": "batches.meta", "key": "label_names", "md5": None}
+
+        _cifar_standin_cls = CIFAR10StandIn
+    return _cifar_standin_cls
+
+
+# --------------------------------------------------------------------------- data: loading
+
+
+def _real_present(family: str, data_dir) -> bool:
+    d = Path(data_dir)
+    if family == "mnist":
+        return all((d / "MNIST" / "raw" / f).exists() for f in
+                   ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                    "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"))
+    return (d / "cifar-10-batches-py" / "test_batch").exists()
+
+
+def _standin_present(family: str, data_dir) -> bool:
+    root = Path(data_dir) / STANDIN_SUBDIR
+    if family == "mnist":
+        return (root / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").exists()
+    return (root / CIFAR_STANDIN_FOLDER / "batches.meta").exists()
+
+
+def family_of(dataset: str) -> str:
+    return "mnist" if dataset.startswith("mnist") else "cifar10"
+
+
+def prepare_data(dataset: str, data_dir, family: str = "mnist", quiet: bool = False) -> str:
+    """Make sure the data exists on disk; return the concrete data set name used.
+
+    Call it from ONE process (rank 0, or the parent before spawning) while the others wait:
+    it may download or generate files. `auto` takes real data when it is present or can be
+    downloaded, otherwise the offline stand-in, and says so loudly.
+    """
+    if dataset != "auto":
+        family = family_of(dataset)
+    if dataset == "auto":
+        if _real_present(family, data_dir):
+            return family
+        reason = try_download(family, data_dir, quiet=True)
+        if reason is None:
+            return family
+        if not quiet:
+            print(f"NOTE: using the offline {family} STAND-IN, not the real data set "
+                  f"({family} not in {data_dir} and the download failed: {reason}). "
+                  f"With internet, run `make data` once for the real one.", flush=True)
+        dataset = f"{family}-standin"
+    if dataset.endswith("-standin"):
+        if not _standin_present(family, data_dir):
+            t0 = time.time()
+            (write_mnist_standin if family == "mnist" else write_cifar_standin)(Path(data_dir) / STANDIN_SUBDIR)
+            if not quiet:
+                print(f"generated the {dataset} in {Path(data_dir) / STANDIN_SUBDIR} ({time.time() - t0:.1f} s)",
+                      flush=True)
+        return dataset
+    if not _real_present(family, data_dir):
+        reason = try_download(family, data_dir, quiet=quiet)
+        if reason is not None:
+            raise UsageError(f"--dataset {dataset}: not found in {data_dir} and the download failed ({reason}). "
+                             f"Connect to the internet and run `make data`, or use --dataset {family}-standin.")
+    return dataset
+
+
+def resolve_dataset(dataset: str, data_dir, family: str = "mnist") -> str:
+    """The concrete name `auto` stands for, once prepare_data has run somewhere (no downloads here)."""
+    if dataset != "auto":
+        return dataset
+    return family if _real_present(family, data_dir) else f"{family}-standin"
+
+
+def try_download(family: str, data_dir, quiet: bool = False) -> str | None:
+    """Download the real data set with torchvision; None on success, else the reason it failed."""
+    from torchvision import datasets
+
+    cls = datasets.MNIST if family == "mnist" else datasets.CIFAR10
+    old_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(20)  # a blocked network should fail, not hang
+    try:
+        if quiet:
+            import contextlib
+            import io
+
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                for train in (True, False):
+                    cls(str(data_dir), train=train, download=True)
+        else:
+            for train in (True, False):
+                cls(str(data_dir), train=train, download=True)
+        return None
+    except Exception as err:  # noqa: BLE001 - any failure means: fall back or explain
+        words = " ".join(str(err).split()) or "no detail"
+        return f"{type(err).__name__}: {words[:200]}"
+    finally:
+        socket.setdefaulttimeout(old_timeout)
+
+
+def load_dataset(dataset: str, data_dir, train: bool) -> TensorDataset:
+    """The whole split as normalised tensors in memory (no per-sample PIL work while training).
+
+    Reads through torchvision's own MNIST / CIFAR10 classes, for real data and stand-ins alike.
+    """
+    from torchvision import datasets
+
+    family = family_of(dataset)
+    root = Path(data_dir) / STANDIN_SUBDIR if dataset.endswith("-standin") else Path(data_dir)
+    if family == "mnist":
+        ds = datasets.MNIST(str(root), train=train, download=False)
+        x = (ds.data.float().div_(255).sub_(MNIST_MEAN).div_(MNIST_STD)).unsqueeze(1)
+        y = ds.targets.long()
+    else:
+        cls = cifar10_standin_class() if dataset.endswith("-standin") else datasets.CIFAR10
+        ds = cls(str(root), train=train, download=False)
+        x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).float().div_(255)
+        x = (x - torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)) / torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
+        y = torch.tensor(ds.targets, dtype=torch.long)
+    return TensorDataset(x.contiguous(), y)
+
+
+def batch_loader(dataset: TensorDataset, batch_size: int, sampler=None, shuffle: bool = False, seed: int = 0,
+                 drop_last: bool = False, pin_memory: bool = False) -> DataLoader:
+    """A DataLoader that fetches each batch with ONE tensor index instead of batch_size __getitem__ calls.
+
+    `sampler` (for example a DistributedSampler) decides which samples; this only groups them.
+    """
+    if sampler is None:
+        sampler = (RandomSampler(dataset, generator=torch.Generator().manual_seed(seed)) if shuffle
+                   else SequentialSampler(dataset))
+    return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last), batch_size=None,
+                      pin_memory=pin_memory)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device) -> torch.Tensor:
+    """Local sums over `loader`: tensor([correct, samples, loss_sum]) in float64 on `device`.
+
+    Sums, not means, so that several processes can add theirs up and divide once.
+    """
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        out = model(x)
+        totals[0] += (out.argmax(1) == y).sum()
+        totals[1] += y.numel()
+        totals[2] += F.cross_entropy(out, y, reduction="sum")
+    model.train(was_training)
+    return totals
