@@ -21,7 +21,7 @@ DIST_ARGS  := $(if $(BACKEND),--backend $(BACKEND)) $(TRAIN_ARGS)
 
 .DEFAULT_GOAL := help
 .PHONY: help setup data smoke test test-fast notebooks diffs lint clean distclean check-nproc \
-        dataparallel dp-shapes ddp-basics ddp-spawn
+        dataparallel dp-shapes ddp-basics ddp-equivalence ddp-spawn
 
 help: ## list the targets
 	@echo "usage: make TARGET [NPROC=2] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
@@ -52,6 +52,26 @@ check-nproc:
 
 smoke: $(STAMP) ## the single-process MNIST baseline, one epoch on the offline stand-in
 	$(PY) 01_dataparallel/mnist_single.py --dataset mnist-standin --epochs 1 $(ARGS)
+
+dataparallel: $(STAMP) ## MNIST with nn.DataParallel over all visible GPUs (on CPU: the module is called as is)
+	$(PY) 01_dataparallel/mnist_dataparallel.py $(TRAIN_ARGS)
+
+dp-shapes: $(STAMP) ## watch DataParallel split a batch (simulated for 2 GPUs on a CPU machine)
+	$(PY) 01_dataparallel/dataparallel_shapes.py $(ARGS)
+
+# ------------------------------------------------------------------ 02: DDP with mp.spawn
+
+ddp-basics: $(STAMP) check-nproc ## the toy DDP demos: basic, checkpoint, model parallel, bare mp.Process
+	@for demo in basic checkpoint model-parallel process; do \
+	  echo "--- ddp_basics.py $$demo"; \
+	  $(PY) 02_ddp_spawn/ddp_basics.py $$demo --nproc $(NPROC) $(if $(BACKEND),--backend $(BACKEND)) $(ARGS) || exit $$?; \
+	done
+
+ddp-equivalence: $(STAMP) check-nproc ## proof that DDP averages gradients (and the BatchNorm caveat)
+	$(PY) 02_ddp_spawn/ddp_equivalence.py --nproc $(NPROC) $(ARGS)
+
+ddp-spawn: $(STAMP) check-nproc ## MNIST with DDP, NPROC processes started by mp.spawn
+	$(PY) 02_ddp_spawn/mnist_spawn.py --nproc $(NPROC) $(DIST_ARGS)
 
 # ------------------------------------------------------------------ tests and tools
 

@@ -48,6 +48,8 @@ def train(args):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            if args.log_every and (step + 1) % args.log_every == 0:
+                print(f"epoch {epoch + 1} step {step + 1}/{steps} loss={loss.item():.4f}", flush=True)
 
         correct, samples, loss_sum = common.evaluate(model, test_loader, device).tolist()
         print(f"epoch {epoch + 1}/{args.epochs}: train_loss={loss.item():.4f} "

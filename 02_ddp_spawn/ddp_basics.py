@@ -1,0 +1,160 @@
+"""The DDP basics on a toy model, one demo per subcommand, each started with mp.spawn.
+
+    python 02_ddp_spawn/ddp_basics.py basic            # DDP(ToyModel): one step, gradients averaged
+    python 02_ddp_spawn/ddp_basics.py checkpoint       # rank 0 saves, barrier, every rank loads
+    python 02_ddp_spawn/ddp_basics.py model-parallel   # each process holds a model split over 2 devices
+    python 02_ddp_spawn/ddp_basics.py process          # the same as basic, with bare mp.Process start/join
+    python 02_ddp_spawn/ddp_basics.py fail             # rank 1 raises: mp.spawn stops everyone
+    make ddp-basics                                    # the first four, one after the other
+
+Options: --nproc N (default 2), --backend, --timeout. CPU + Gloo without GPUs, NCCL with one GPU each.
+"""
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import common
+
+
+def run_demo(rank, world_size, args):
+    """The life of one process: join the group, run the demo, leave the group. mp.spawn calls this."""
+    common.share_cpu_threads(world_size)
+    if args.demo == "fail" and rank == 1:  # e.g. a missing file: rank 1 dies while rank 0 waits for it
+        raise RuntimeError("rank 1 fails on purpose before joining the process group")
+    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=args.timeout))
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    try:
+        DEMOS[args.demo](rank, world_size, device, args)
+    finally:
+        # DDP wrappers sit in reference cycles and keep the process group alive: free them now, or
+        # they are freed during interpreter shutdown, after the group is gone, and the process aborts
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def one_step(model, device, out_device=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+    optimizer.zero_grad()
+    outputs = model(torch.randn(20, 10, device=device))
+    labels = torch.randn(20, 5, device=out_device or device)
+    nn.MSELoss()(outputs, labels).backward()  # DDP averages the gradients of all ranks here
+    optimizer.step()
+
+
+def same_on_all_ranks(model) -> bool:
+    """True when every rank holds exactly rank 0's parameters."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    verdict = torch.tensor([float(torch.equal(flat, reference))], device=flat.device)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+    return bool(verdict.item())
+
+
+def demo_basic(rank, world_size, device, args):
+    common.say(f"rank {rank}/{world_size}: running the basic DDP example on {device}")
+    model = DDP(common.ToyModel().to(device), device_ids=[rank] if device.type == "cuda" else None)
+    one_step(model, device)  # every rank feeds different random data...
+    same = same_on_all_ranks(model)  # ...and still ends with the same weights
+    common.print0(rank, f"after one step on different data, all {world_size} ranks hold the same weights: {same}")
+
+
+def demo_checkpoint(rank, world_size, device, args):
+    model = DDP(common.ToyModel().to(device), device_ids=[rank] if device.type == "cuda" else None)
+    path = os.path.join(args.workdir, "toy.pt")
+    if rank == 0:  # the weights are the same everywhere, so one process saves them
+        common.atomic_save(model.module.state_dict(), path)
+        common.say(f"rank 0 saved {path}")
+    dist.barrier()  # nobody reads before rank 0 has finished writing
+    # the file says "cuda:0" (where rank 0 saved it); map it to this rank's device
+    map_location = {"cuda:0": f"cuda:{rank}"} if device.type == "cuda" else "cpu"
+    model.module.load_state_dict(torch.load(path, map_location=map_location, weights_only=True))
+    common.say(f"rank {rank} loaded the checkpoint (weights_only=True, map_location={map_location})")
+    one_step(model, device)
+    same = same_on_all_ranks(model)
+    dist.barrier()  # every rank has read the file before it is removed
+    if rank == 0:
+        os.remove(path)
+    common.print0(rank, f"after loading and one more step, all ranks hold the same weights: {same}")
+
+
+def demo_model_parallel(rank, world_size, device, args):
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if gpus >= 2 * world_size:
+        dev0, dev1 = torch.device("cuda", 2 * rank), torch.device("cuda", 2 * rank + 1)
+    else:
+        dev0 = dev1 = torch.device("cpu")
+        common.print0(rank, f"model parallel wants 2 GPUs per process ({2 * world_size} in all, "
+                            f"{gpus} here): both halves run on the CPU, the code path is the same")
+    model = DDP(common.ToyMpModel(dev0, dev1))  # no device_ids for a model that spans several devices
+    one_step(model, dev0, out_device=dev1)  # outputs come out on dev1
+    same = same_on_all_ranks(model)
+    common.say(f"rank {rank}: net1 on {dev0}, net2 on {dev1}")
+    common.print0(rank, f"model parallel inside, data parallel across: ranks agree: {same}")
+
+
+def demo_fail(rank, world_size, device, args):
+    dist.barrier()  # rank 0 never gets here with a partner: rank 1 died before joining
+
+
+DEMOS = {"basic": demo_basic, "checkpoint": demo_checkpoint, "model-parallel": demo_model_parallel,
+         "fail": demo_fail}
+
+
+def start_with_process(fn, world_size, args):
+    """What mp.spawn does for you, by hand: start one Process per rank, then wait for each."""
+    ctx = mp.get_context("spawn")  # a fresh interpreter per process, as mp.spawn uses
+    processes = [ctx.Process(target=fn, args=(rank, world_size, args)) for rank in range(world_size)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join()
+    failed = [rank for rank, p in enumerate(processes) if p.exitcode != 0]
+    if failed:
+        sys.exit(f"ranks {failed} failed")
+    common.say(f"mp.Process: {world_size} processes started and joined, all exit codes 0")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("demo", choices=[*DEMOS, "process"])
+    parser.add_argument("--nproc", type=int, default=2, help="processes to start (default %(default)s)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    parser.add_argument("--timeout", type=float, default=30.0, help="process group timeout, seconds")
+    args = parser.parse_args()
+    if args.nproc < 2:
+        parser.error("--nproc must be at least 2: these demos compare ranks")
+    try:
+        args.device, args.backend = common.choose_device_backend(args.device, args.backend, args.nproc)
+    except common.UsageError as err:
+        parser.error(str(err))
+    args.port = common.free_port()
+
+    with tempfile.TemporaryDirectory() as workdir:
+        args.workdir = workdir  # shared by all ranks on this machine (the checkpoint demo)
+        if args.demo == "process":
+            args.demo = "basic"
+            start_with_process(run_demo, args.nproc, args)
+            return
+        try:
+            # mp.spawn(fn, args, nprocs) calls fn(rank, *args) in nprocs fresh processes and waits
+            mp.spawn(run_demo, args=(args.nproc, args), nprocs=args.nproc, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            sys.exit(f"ddp_basics {args.demo}: a worker failed, mp.spawn stopped the others.\n{err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Section 02: DDP started with mp.spawn. Every multi-process test really launches the processes."""
+
+import re
+import shutil
+
+import pytest
+import torch
+from harness import PYTHON, REPO, make, python, run
+from torch.utils.data.distributed import DistributedSampler
+
+import common
+
+# ------------------------------------------------------------------ DistributedSampler, in-process
+
+
+def test_distributed_sampler_covers_pads_and_reshuffles_only_with_set_epoch():
+    data = list(range(10))
+    shards = [list(DistributedSampler(data, num_replicas=3, rank=r, shuffle=False)) for r in range(3)]
+    assert shards == [[0, 3, 6, 9], [1, 4, 7, 0], [2, 5, 8, 1]]  # padded to 12 by repeating the start
+    assert sorted(set(sum(shards, []))) == data
+    dropped = [list(DistributedSampler(data, num_replicas=3, rank=r, shuffle=False, drop_last=True))
+               for r in range(3)]
+    assert sum(len(s) for s in dropped) == 9 and 9 not in sum(dropped, [])
+
+    sampler = DistributedSampler(list(range(100)), num_replicas=2, rank=0, shuffle=True, seed=0)
+    first, again = list(sampler), list(sampler)
+    assert first == again, "without set_epoch every epoch repeats the same order"
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+    other = DistributedSampler(list(range(100)), num_replicas=2, rank=1, shuffle=True, seed=0)
+    other.set_epoch(1)
+    assert not set(other) & set(sampler), "ranks draw disjoint samples from one shared permutation"
+
+
+# ------------------------------------------------------------------ the toy demos
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_ddp_averages_gradients(nproc):
+    res = make("ddp-equivalence", f"NPROC={nproc}", timeout=120)
+    m = re.search(r"plain_diff=(\S+) bn_whole_diff=(\S+) bn_shard_diff=(\S+) gradients_averaged=True", res.stdout)
+    assert m, res.tail()
+    plain, bn_whole, bn_shard = map(float, m.groups())
+    assert plain < 1e-5, "N ranks x b samples must equal 1 process x N*b samples"
+    assert bn_whole > 1e-4, "plain BatchNorm sees per-rank statistics, so it differs from the whole batch"
+    assert bn_shard < 1e-5, "...and matches BatchNorm run on each rank's slice"
+
+
+@pytest.mark.slow
+def test_make_ddp_basics_runs_all_four_demos():
+    out = make("ddp-basics", "NPROC=2", timeout=180).stdout
+    assert "all 2 ranks hold the same weights: True" in out
+    assert "after loading and one more step, all ranks hold the same weights: True" in out
+    assert "rank 1 loaded the checkpoint (weights_only=True" in out
+    assert "model parallel inside, data parallel across: ranks agree: True" in out
+    assert "mp.Process: 2 processes started and joined, all exit codes 0" in out
+
+
+@pytest.mark.slow
+def test_a_failing_rank_stops_mp_spawn_promptly_with_its_error_visible():
+    # rank 0 would wait 300 s for rank 1 at init; the outer 60 s bound shows mp.spawn stops it at once
+    res = python("02_ddp_spawn/ddp_basics.py", "fail", "--timeout", "300", timeout=60, expect_rc=1)
+    assert "Process 1 terminated with the following error" in res.stderr
+    assert "rank 1 fails on purpose" in res.stderr
+
+
+UNGUARDED = """
+import torch.multiprocessing as mp
+
+def worker(rank):
+    print(f"worker {rank} ran", flush=True)
+
+{launch}
+"""
+
+
+@pytest.mark.slow
+def test_mp_spawn_needs_the_main_guard(tmp_path):
+    """Spawned children re-import the main module; an unguarded mp.spawn would run again in each."""
+    launch = "mp.spawn(worker, nprocs=2)"
+    (tmp_path / "unguarded.py").write_text(UNGUARDED.replace("{launch}", launch))
+    (tmp_path / "guarded.py").write_text(UNGUARDED.replace("{launch}", 'if __name__ == "__main__":\n    ' + launch))
+    bad = run([PYTHON, "unguarded.py"], cwd=tmp_path, timeout=60, expect_rc=1)
+    assert "bootstrapping phase" in bad.stderr and "worker 0 ran" not in bad.stdout
+    good = run([PYTHON, "guarded.py"], cwd=tmp_path, timeout=60)
+    assert "worker 0 ran" in good.stdout and "worker 1 ran" in good.stdout
+
+
+# ------------------------------------------------------------------ mnist_spawn
+
+
+@pytest.mark.slow
+def test_headline_spawn_run_reaches_97_percent(data_dir):
+    res = make("ddp-spawn", "NPROC=2", f"ARGS=--dataset mnist-standin --data-dir {data_dir}", timeout=240)
+    final = res.final
+    assert final["world_size"] == 2 and final["test_samples"] == 4000 and final["epochs"] == 2
+    assert final["test_acc"] >= 0.97, res.tail()
+
+
+def spawn_runs(folder, data_dir, nproc):
+    """mnist_spawn run from `folder`: 2 epochs straight (A), and 1 epoch + resume + 1 epoch (B)."""
+    base = [PYTHON, "mnist_spawn.py", "--nproc", str(nproc), "--dataset", "mnist-standin", "--data-dir", data_dir,
+            "--max-steps", "15", "--timeout", "60"]
+    a = run(base + ["--epochs", "2", "--checkpoint-dir", folder / f"A{nproc}"], cwd=folder, timeout=180)
+    b1 = run(base + ["--epochs", "1", "--checkpoint-dir", folder / f"B{nproc}"], cwd=folder, timeout=180)
+    b2 = run(base + ["--epochs", "2", "--checkpoint-dir", folder / f"B{nproc}", "--resume"], cwd=folder, timeout=180)
+    assert "resumed from" in b2.stdout and "after epoch 1" in b2.stdout
+    straight = torch.load(folder / f"A{nproc}" / "mnist_spawn.pt", weights_only=True)
+    resumed = torch.load(folder / f"B{nproc}" / "mnist_spawn.pt", weights_only=True)
+    return a, b1, b2, straight, resumed
+
+
+@pytest.fixture(scope="module")
+def copied(tmp_path_factory):
+    """A folder holding only mnist_spawn.py and common.py: what a user copies into a project."""
+    folder = tmp_path_factory.mktemp("copied")
+    for name in ("02_ddp_spawn/mnist_spawn.py", "common.py"):
+        shutil.copy(REPO / name, folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_three_ranks_exact_evaluation_and_resume(copied, data_dir):
+    a, _, b2, straight, resumed = spawn_runs(copied, data_dir, nproc=3)
+    assert a.final["world_size"] == 3
+    assert a.final["test_samples"] == 4000, "4000 is not divisible by 3: no sample may be counted twice"
+    # the distributed accuracy equals a plain single-process evaluation of the saved checkpoint
+    model = common.ConvNet()
+    model.load_state_dict(straight["model"])
+    test_set = common.load_dataset("mnist-standin", data_dir, train=False)
+    correct, samples, _ = common.evaluate(model, common.batch_loader(test_set, 1000), "cpu").tolist()
+    assert samples == 4000 and round(correct / samples, 4) == a.final["test_acc"]
+    # with 3 ranks the resumed run's first all-reduce adds in another order: equal up to rounding
+    for key, value in straight["model"].items():
+        assert torch.allclose(value.double(), resumed["model"][key].double(), rtol=1e-3, atol=1e-4), key
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_gives_bitwise_the_same_weights(copied, data_dir):
+    a, _, b2, straight, resumed = spawn_runs(copied, data_dir, nproc=2)
+    assert straight["epoch"] == resumed["epoch"] == 2
+    for key, value in straight["model"].items():
+        assert torch.equal(value, resumed["model"][key]), key
+    momentum = [s["momentum_buffer"] for s in straight["optimizer"]["state"].values()]
+    momentum_resumed = [s["momentum_buffer"] for s in resumed["optimizer"]["state"].values()]
+    assert all(torch.equal(x, y) for x, y in zip(momentum, momentum_resumed, strict=True))
+    assert b2.final["test_acc"] == a.final["test_acc"]
+
+
+def test_spawn_refuses_impossible_requests():
+    res = python("02_ddp_spawn/mnist_spawn.py", "--backend", "nccl", expect_rc=2)
+    assert ("nccl needs CUDA" in res.stderr or "one GPU per process" in res.stderr) and "Traceback" not in res.stderr
+    res = python("02_ddp_spawn/mnist_spawn.py", "--resume", expect_rc=2)
+    assert "--resume needs --checkpoint-dir" in res.stderr
+    res = make("ddp-spawn", "NPROC=0", expect_rc=2)
+    assert "NPROC must be a whole number" in res.stderr
+
+
