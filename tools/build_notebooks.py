@@ -1,0 +1,208 @@
+"""Write the course notebooks from the cell lists below, then execute them so they keep their outputs.
+
+    python tools/build_notebooks.py                 # all notebooks
+    python tools/build_notebooks.py 02_ddp_spawn    # one
+
+Edit the cells here, rebuild, and commit the .ipynb files: they carry their outputs so that they
+render when read online, and `make notebooks` (nbval) re-runs them and compares.
+
+Rules for cells: multi-process work runs through nbhelpers.run (a failing command fails the cell),
+never `!cmd` and never mp.spawn of a function defined in a cell. Output that depends on the machine
+(device, timings, process order) goes in a `# NBVAL_IGNORE_OUTPUT` cell that asserts what must hold.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat as nbf
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+md, code = nbf.v4.new_markdown_cell, nbf.v4.new_code_cell
+
+OVERVIEW = [
+    md("""# Overview: data-parallel training with PyTorch, one runnable step at a time
+
+This course takes one small training script (a ConvNet on MNIST) and turns it, a step at a time, into a
+job that runs on several processes, several machines, and in mixed precision. Every step is a script you can run
+on a laptop CPU (Gloo backend) and unchanged on GPUs (NCCL backend). Each notebook runs its section's scripts
+and shows what they print.
+
+| step | folder | what it adds | make target |
+|---|---|---|---|
+| 1 | `01_dataparallel` | the single-process baseline, then `nn.DataParallel` (one process, many GPUs) | `make smoke`, `make dataparallel` |
+| 2 | `02_ddp_spawn` | `DistributedDataParallel`, one process per device, started by `mp.spawn` | `make ddp-spawn NPROC=2` |
+| 3 | `03_ddp_torchrun` | the same started by `torchrun` (`env://`), elastic restarts | (in progress) |
+| 4 | `04_multinode_tcp` | `tcp://` and `file://` initialisation, several nodes, Slurm | (in progress) |
+| 5 | `05_collectives` | send/recv and the collectives by hand, exact distributed evaluation | (in progress) |
+| 6 | `06_amp_syncbn` | mixed precision (autocast, GradScaler) and SyncBatchNorm, CIFAR-10 ResNet-18 | (in progress) |
+"""),
+    md("""## DataParallel or DistributedDataParallel?
+
+| | `nn.DataParallel` (DP) | `DistributedDataParallel` (DDP) |
+|---|---|---|
+| processes | one, with one thread per GPU | one per GPU (or per CPU share) |
+| machines | one | one or many |
+| model copies | re-copied to every GPU on **every** forward | copied once, at construction |
+| gradients | summed onto the first GPU | averaged by all-reduce, overlapped with backward |
+| memory | the first GPU holds outputs and loss: uneven | even |
+| Python GIL | shared by all GPUs' threads | one interpreter per process |
+| code change | one line | process group, sampler, launcher |
+
+PyTorch recommends DDP even on a single machine: it is faster and scales past one node. DP stays useful as a
+one-line experiment, and it is the first step of the course because the difference teaches what DDP fixes.
+"""),
+    md("""## What runs where
+
+The scripts pick the device and the communication backend themselves: CUDA + NCCL when there is one GPU for
+every process, otherwise CPU + Gloo. `--device` and `--backend` override the choice. On this machine:"""),
+    code("""# NBVAL_IGNORE_OUTPUT
+import torch
+
+import common
+
+for nproc in (1, 2):
+    device, backend = common.choose_device_backend(nproc_per_node=nproc)
+    print(f"{nproc} process(es) per node -> device={device} backend={backend}")
+print("CUDA GPUs visible:", torch.cuda.device_count())"""),
+    md("""## The baseline, run from here
+
+Notebooks start the course's scripts as subprocesses (`nbhelpers.run`), so a failing run fails its cell. The
+data set is the offline MNIST stand-in: generated, learnable handwriting-like digits stored in MNIST's own file
+format, so that `torchvision.datasets.MNIST` reads it. With internet, `make data` fetches the real MNIST and
+`--dataset auto` (the default) uses it."""),
+    code("""import common
+from nbhelpers import REPO, final, run
+
+common.prepare_data("mnist-standin", REPO / "data", quiet=True)  # about a second, once
+out = run("python 01_dataparallel/mnist_single.py --dataset mnist-standin --epochs 1 --max-steps 60")
+summary = final(out)
+assert summary["world_size"] == "1" and summary["test_samples"] == "4000"
+"""),
+    md("""Every training script ends with a `final:` line in the same format, which the tests read. After only
+60 steps the accuracy is already well above chance; `make smoke` runs the whole epoch.
+
+Next: [01_dataparallel.ipynb](01_dataparallel.ipynb), then [02_ddp_spawn.ipynb](02_ddp_spawn.ipynb)."""),
+]
+
+DATAPARALLEL = [
+    md("""# 01 · DataParallel
+
+`nn.DataParallel` is one process that copies the model to every GPU on each forward pass, cuts the batch along
+dimension 0, runs the pieces in threads and gathers the outputs on one GPU. This notebook runs the section's
+scripts; the [section README](../01_dataparallel/README.md) explains the design and its costs."""),
+    md("""## How a batch is split
+
+`dataparallel_shapes.py` feeds 100 random samples in batches of 30 to a model that prints the shape it receives.
+On two GPUs each batch of 30 becomes two pieces of 15, and the last batch of 10 two pieces of 5. Without GPUs the
+script prints the split it *would* make, and DataParallel just calls the model on the whole batch."""),
+    code("""# NBVAL_IGNORE_OUTPUT
+from nbhelpers import final, run
+
+out = run("python 01_dataparallel/dataparallel_shapes.py --gpus 2")
+assert out.count("input size [15, 5]") == 6 and out.count("input size [5, 5]") == 2
+assert "Outside: input size [10, 5] output size [10, 2]" in out"""),
+    md("""## Training with DataParallel
+
+The same short run twice: the plain baseline and the DataParallel version. On a CPU machine DataParallel calls
+the model directly, so the two must print exactly the same losses: the wrapper changes nothing but the keys of
+the state dict (`module.` prefix), which is why the script saves `model.module.state_dict()`."""),
+    code("""common_args = "--dataset mnist-standin --epochs 1 --max-steps 100 --log-every 25"
+single = run(f"python 01_dataparallel/mnist_single.py {common_args}")
+print()
+dp = run(f"python 01_dataparallel/mnist_dataparallel.py {common_args}")"""),
+    code("""# NBVAL_IGNORE_OUTPUT
+import torch
+
+
+def losses(output):
+    return [line.split("loss=")[1] for line in output.splitlines() if " step " in line]
+
+
+print("baseline:    ", losses(single))
+print("DataParallel:", losses(dp))
+if not torch.cuda.is_available():
+    assert losses(single) == losses(dp), "without a GPU, DataParallel must not change the numbers"
+assert final(dp)["test_samples"] == "4000\""""),
+    md("""On GPUs the numbers differ a little: the batch is split, and float sums over pieces round differently.
+Next: [02_ddp_spawn.ipynb](02_ddp_spawn.ipynb), where each device gets its own process."""),
+]
+
+SPAWN = [
+    md("""# 02 · DDP started with mp.spawn
+
+One process per device; DDP averages gradients with an all-reduce during backward. The notebook runs the scripts
+as subprocesses: `mp.spawn` cannot start a function defined in a notebook cell (the child processes import the
+main module to find it, and a notebook has none they can import). See the
+[section README](../02_ddp_spawn/README.md) for how it all works."""),
+    md("""## The toy demo: different data, identical weights
+
+Each rank feeds different random data through `DDP(ToyModel)` for one step; afterwards all ranks hold exactly the
+same weights, because the gradients were averaged."""),
+    code("""# NBVAL_IGNORE_OUTPUT
+from nbhelpers import final, run
+
+out = run("python 02_ddp_spawn/ddp_basics.py basic --nproc 2")
+assert "all 2 ranks hold the same weights: True" in out"""),
+    md("""## DDP equals one big batch
+
+`ddp_equivalence.py` trains N ranks with 32 samples each and compares with one process on all N×32 samples.
+Without BatchNorm the weights agree to float rounding; with BatchNorm they do not (each rank normalises with its
+own slice's statistics) unless the single-process reference also runs BatchNorm per slice."""),
+    code("""# NBVAL_IGNORE_OUTPUT
+out = run("python 02_ddp_spawn/ddp_equivalence.py --nproc 2")
+assert "gradients_averaged=True" in out"""),
+    md("""## MNIST on 1 and 2 processes
+
+The same short run with `--nproc 1` and `--nproc 2`. Each process takes batches of 64, so 2 processes take 128
+samples per step and need half the steps per epoch. The loss is logged every 5 steps on rank 0."""),
+    code("""args = "--dataset mnist-standin --epochs 1 --max-steps 90 --log-every 5"
+runs = {n: run(f"python 02_ddp_spawn/mnist_spawn.py --nproc {n} {args}", quiet=True) for n in (1, 2)}
+for n, out in runs.items():
+    print(f"{n} process(es):", out.strip().splitlines()[-1])
+    assert final(out)["world_size"] == str(n) and final(out)["test_samples"] == "4000\""""),
+    code("""# NBVAL_IGNORE_OUTPUT
+import matplotlib.pyplot as plt
+
+
+def curve(out):
+    points = [line.split() for line in out.splitlines() if " step " in line]
+    steps = [int(p[3].split("/")[0]) for p in points]
+    return steps, [float(p[4].split("=")[1]) for p in points]
+
+
+fig, (by_step, by_sample) = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
+for n, out in runs.items():
+    steps, loss = curve(out)
+    by_step.plot(steps, loss, label=f"{n} process(es)")
+    by_sample.plot([s * 64 * n for s in steps], loss, label=f"{n} process(es)")
+by_step.set(xlabel="optimizer step", ylabel="training loss (rank 0)", title="per step")
+by_sample.set(xlabel="samples seen (all ranks)", title="per sample")
+by_step.legend()
+plt.tight_layout()
+plt.show()"""),
+    md("""Per step, two processes learn faster: each step averages the gradients of 128 samples instead of 64.
+Per sample seen, the curves are close: with the same learning rate, a bigger global batch makes fewer, better
+averaged steps. (Scaling the learning rate with the number of processes is a common rule of thumb; the course
+keeps it fixed so that the runs are directly comparable.)
+
+Next: section 03 starts the same training with `torchrun`."""),
+]
+
+ALL = {"00_overview": OVERVIEW, "01_dataparallel": DATAPARALLEL, "02_ddp_spawn": SPAWN}
+
+
+def build(name: str) -> None:
+    nb = nbf.v4.new_notebook()
+    nb.cells = ALL[name]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = NOTEBOOKS / f"{name}.ipynb"
+    nbf.write(nb, path)
+    subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "--inplace",
+                    "--log-level", "WARN", path.name], cwd=NOTEBOOKS, check=True)
+    print(f"built {path.relative_to(NOTEBOOKS.parent)}")
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or ALL:
+        build(name)
