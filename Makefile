@@ -21,7 +21,8 @@ DIST_ARGS  := $(if $(BACKEND),--backend $(BACKEND)) $(TRAIN_ARGS)
 
 .DEFAULT_GOAL := help
 .PHONY: help setup data smoke test test-fast notebooks diffs lint clean distclean check-nproc \
-        dataparallel dp-shapes ddp-basics ddp-equivalence ddp-spawn
+        dataparallel dp-shapes ddp-basics ddp-equivalence ddp-spawn \
+        ddp-torchrun init-check elastic-ddp ddp-elastic elastic-stress launch-legacy
 
 help: ## list the targets
 	@echo "usage: make TARGET [NPROC=2] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
@@ -72,6 +73,43 @@ ddp-equivalence: $(STAMP) check-nproc ## proof that DDP averages gradients (and 
 
 ddp-spawn: $(STAMP) check-nproc ## MNIST with DDP, NPROC processes started by mp.spawn
 	$(PY) 02_ddp_spawn/mnist_spawn.py --nproc $(NPROC) $(DIST_ARGS)
+
+# ------------------------------------------------------------------ 03: torchrun
+
+TORCHRUN := $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
+ELASTIC  ?= runs/elastic
+# the failure demo: rank 1 crashes at this step (counted over epochs) on the first attempt only
+FAIL_AT  ?= 250
+
+ddp-torchrun: $(STAMP) check-nproc ## MNIST with DDP, NPROC processes started by torchrun (the headline run)
+	$(TORCHRUN) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
+
+init-check: $(STAMP) check-nproc ## can a process group form? each rank reports, one all_reduce proves it
+	$(TORCHRUN) 03_ddp_torchrun/init_check.py $(if $(BACKEND),--backend $(BACKEND)) $(ARGS)
+
+elastic-ddp: $(STAMP) check-nproc ## the smallest torchrun + DDP program (a linear model on a range of numbers)
+	$(TORCHRUN) 03_ddp_torchrun/elastic_ddp.py
+
+ddp-elastic: $(STAMP) check-nproc ## a worker crashes once, torchrun restarts the group, training resumes: same weights
+	@rm -rf $(ELASTIC)
+	@echo "--- 1/3 an uninterrupted run"
+	$(TORCHRUN) 03_ddp_torchrun/mnist_torchrun.py --checkpoint-dir $(ELASTIC)/straight $(DIST_ARGS)
+	@echo "--- 2/3 the same run; rank 1 fails at step $(FAIL_AT), torchrun restarts it (--max-restarts 1)"
+	$(TORCHRUN) --max-restarts 1 03_ddp_torchrun/mnist_torchrun.py --checkpoint-dir $(ELASTIC)/recovered \
+	  --simulate-failure-at-step $(FAIL_AT) $(DIST_ARGS)
+	@echo "--- 3/3 compare the final weights"
+	$(PY) 03_ddp_torchrun/compare_checkpoints.py $(ELASTIC)/straight/mnist_torchrun.pt $(ELASTIC)/recovered/mnist_torchrun.pt
+
+elastic-stress: $(STAMP) check-nproc ## the failure demo 10 times on short epochs; fails unless every run recovers
+	@ok=0; for i in 1 2 3 4 5 6 7 8 9 10; do \
+	  if $(MAKE) --no-print-directory ddp-elastic ELASTIC=$(ELASTIC)-stress FAIL_AT=20 \
+	       ARGS="--max-steps 15 --epochs 2 --timeout 30 $(ARGS)" > $(ELASTIC)-stress.log 2>&1; then \
+	    ok=$$((ok + 1)); echo "run $$i: recovered, identical weights"; \
+	  else echo "run $$i: FAILED (log: $(ELASTIC)-stress.log)"; cp $(ELASTIC)-stress.log $(ELASTIC)-stress-$$i.log; fi; \
+	done; echo "$$ok/10 runs recovered"; test $$ok = 10
+
+launch-legacy: $(STAMP) check-nproc ## the deprecated python -m torch.distributed.launch (passes --local-rank)
+	$(PY) -m torch.distributed.launch --nproc-per-node $(NPROC) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 
 # ------------------------------------------------------------------ tests and tools
 

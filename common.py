@@ -15,6 +15,7 @@ import math
 import os
 import pickle
 import random
+import re
 import socket
 import struct
 import sys
@@ -580,7 +581,8 @@ def try_download(family: str, data_dir, quiet: bool = False) -> str | None:
         return None
     except Exception as err:  # noqa: BLE001 - any failure means: fall back or explain
         words = " ".join(str(err).split()) or "no detail"
-        return f"{type(err).__name__}: {words[:200]}"
+        inner = re.search(r"<urlopen error ([^>]*)>", words)  # torchvision wraps the network error
+        return inner.group(1) if inner else f"{type(err).__name__}: {words[:160]}"
     finally:
         socket.setdefaulttimeout(old_timeout)
 

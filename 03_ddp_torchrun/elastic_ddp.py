@@ -1,0 +1,58 @@
+"""The smallest complete torchrun + DDP program: a linear model learns y = 3x - 1 from a range of numbers.
+
+    torchrun --standalone --nproc-per-node 2 03_ddp_torchrun/elastic_ddp.py
+    torchrun --nnodes 1 --nproc-per-node 2 --rdzv-id 100 --rdzv-backend c10d \\
+        --rdzv-endpoint 127.0.0.1:29400 03_ddp_torchrun/elastic_ddp.py
+    make elastic-ddp NPROC=2
+
+torchrun runs this file as __main__ in every worker, so nothing here spawns processes; the
+`if __name__ == "__main__"` guard is good habit, not a necessity as it is with mp.spawn.
+"""
+
+import gc
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+import common
+
+
+def train(rank, device):
+    model = DDP(nn.Linear(1, 1).to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    dataset = common.RangeDataset(10_000)  # the numbers 0 .. 9999
+    sampler = DistributedSampler(dataset, shuffle=True, seed=0)  # rank and world size from the group
+    loader = DataLoader(dataset, batch_size=100, sampler=sampler)  # no shuffle=True: the sampler shuffles
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        for numbers in common.progress(loader, rank, desc=f"epoch {epoch + 1}"):  # a bar on rank 0 only
+            x = (numbers / 10_000).unsqueeze(1).to(device)  # inputs in [0, 1)
+            loss = nn.functional.mse_loss(model(x), 3 * x - 1)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        common.print0(rank, f"epoch {epoch + 1}: loss={loss.item():.5f}")
+    weight, bias = model.module.weight.item(), model.module.bias.item()
+    common.print0(rank, f"learned y = {weight:.3f}x {bias:+.3f} (target y = 3x - 1)")
+
+
+if __name__ == "__main__":
+    local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun, like RANK and WORLD_SIZE
+    gpus_per_node = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    use_cuda = gpus_per_node >= int(os.environ["LOCAL_WORLD_SIZE"])
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=60))
+    common.say(f"start running the basic DDP example on rank {dist.get_rank()} ({device})")
+    try:
+        train(dist.get_rank(), device)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
