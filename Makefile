@@ -1,6 +1,6 @@
 # The course's front door. `make help` lists every target.
 #
-# Variables: NPROC (processes per node, default 2), NNODES (default 1), BACKEND (gloo|nccl, default auto),
+# Variables: NPROC (processes per node, default 2), NNODES (nodes for the multinode targets, default 2), BACKEND (gloo|nccl, default auto),
 # EPOCHS and DATASET (passed to the training scripts when set), ARGS (passed through as is).
 
 PYTHON ?= python3
@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 NPROC   ?= 2
-NNODES  ?= 1
+NNODES  ?= 2
 BACKEND ?=
 EPOCHS  ?=
 DATASET ?=
@@ -22,7 +22,8 @@ DIST_ARGS  := $(if $(BACKEND),--backend $(BACKEND)) $(TRAIN_ARGS)
 .DEFAULT_GOAL := help
 .PHONY: help setup data smoke test test-fast notebooks diffs lint clean distclean check-nproc \
         dataparallel dp-shapes ddp-basics ddp-equivalence ddp-spawn \
-        ddp-torchrun init-check elastic-ddp ddp-elastic elastic-stress launch-legacy
+        ddp-torchrun init-check elastic-ddp ddp-elastic elastic-stress launch-legacy \
+        multinode-tcp multinode-file multinode-torchrun multinode-netns check-nnodes
 
 help: ## list the targets
 	@echo "usage: make TARGET [NPROC=2] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
@@ -48,6 +49,9 @@ data: $(STAMP) ## download real MNIST and CIFAR-10 into data/ (needs internet), 
 
 check-nproc:
 	@case "$(NPROC)" in ''|*[!0-9]*|0) echo "error: NPROC must be a whole number of at least 1 (got '$(NPROC)')" >&2; exit 2;; esac
+
+check-nnodes:
+	@case "$(NNODES)" in ''|*[!0-9]*|0) echo "error: NNODES must be a whole number of at least 1 (got '$(NNODES)')" >&2; exit 2;; esac
 
 # ------------------------------------------------------------------ 01: single process and DataParallel
 
@@ -110,6 +114,22 @@ elastic-stress: $(STAMP) check-nproc ## the failure demo 10 times on short epoch
 
 launch-legacy: $(STAMP) check-nproc ## the deprecated python -m torch.distributed.launch (passes --local-rank)
 	$(PY) -m torch.distributed.launch --nproc-per-node $(NPROC) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
+
+# ------------------------------------------------------------------ 04: several nodes
+
+RDZV ?= static
+
+multinode-tcp: $(STAMP) check-nproc check-nnodes ## NNODES "nodes" x NPROC processes here, each started by hand with tcp://
+	PYTHON=$(PY) bash 04_multinode_tcp/launch_local.sh tcp $(NNODES) $(NPROC) $(DIST_ARGS)
+
+multinode-file: $(STAMP) check-nproc check-nnodes ## the same, meeting through a fresh file:// path instead
+	PYTHON=$(PY) bash 04_multinode_tcp/launch_local.sh file $(NNODES) $(NPROC) $(DIST_ARGS)
+
+multinode-torchrun: $(STAMP) check-nproc check-nnodes ## NNODES torchrun agents here; RDZV=static (default) or c10d
+	PYTHON=$(PY) bash 04_multinode_tcp/launch_torchrun_nodes.sh $(RDZV) $(NNODES) $(NPROC) $(DIST_ARGS)
+
+multinode-netns: $(STAMP) check-nproc ## two real hosts in network namespaces (needs root); NPROC per host
+	PYTHON=$(PY) bash 04_multinode_tcp/netns_2hosts.sh $(NPROC) $(DIST_ARGS)
 
 # ------------------------------------------------------------------ tests and tools
 

@@ -32,7 +32,7 @@ and shows what they print.
 |---|---|---|---|
 | 1 | `01_dataparallel` | the single-process baseline, then `nn.DataParallel` (one process, many GPUs) | `make smoke`, `make dataparallel` |
 | 2 | `02_ddp_spawn` | `DistributedDataParallel`, one process per device, started by `mp.spawn` | `make ddp-spawn NPROC=2` |
-| 3 | `03_ddp_torchrun` | the same started by `torchrun` (`env://`), elastic restarts | (in progress) |
+| 3 | `03_ddp_torchrun` | the same started by `torchrun` (`env://`), elastic restarts | `make ddp-torchrun NPROC=2` |
 | 4 | `04_multinode_tcp` | `tcp://` and `file://` initialisation, several nodes, Slurm | (in progress) |
 | 5 | `05_collectives` | send/recv and the collectives by hand, exact distributed evaluation | (in progress) |
 | 6 | `06_amp_syncbn` | mixed precision (autocast, GradScaler) and SyncBatchNorm, CIFAR-10 ResNet-18 | (in progress) |
@@ -82,7 +82,8 @@ assert summary["world_size"] == "1" and summary["test_samples"] == "4000"
     md("""Every training script ends with a `final:` line in the same format, which the tests read. After only
 60 steps the accuracy is already well above chance; `make smoke` runs the whole epoch.
 
-Next: [01_dataparallel.ipynb](01_dataparallel.ipynb), then [02_ddp_spawn.ipynb](02_ddp_spawn.ipynb)."""),
+Next: [01_dataparallel.ipynb](01_dataparallel.ipynb), [02_ddp_spawn.ipynb](02_ddp_spawn.ipynb),
+[03_ddp_torchrun.ipynb](03_ddp_torchrun.ipynb)."""),
 ]
 
 DATAPARALLEL = [
@@ -186,10 +187,62 @@ Per sample seen, the curves are close: with the same learning rate, a bigger glo
 averaged steps. (Scaling the learning rate with the number of processes is a common rule of thumb; the course
 keeps it fixed so that the runs are directly comparable.)
 
-Next: section 03 starts the same training with `torchrun`."""),
+Next: [03_ddp_torchrun.ipynb](03_ddp_torchrun.ipynb) starts the same training with `torchrun`."""),
 ]
 
-ALL = {"00_overview": OVERVIEW, "01_dataparallel": DATAPARALLEL, "02_ddp_spawn": SPAWN}
+TORCHRUN = [
+    md("""# 03 · DDP started with torchrun
+
+`torchrun` starts the processes from outside the script and passes each its rank through environment variables
+(`env://`). The [section README](../03_ddp_torchrun/README.md) lists them and explains the options. This notebook
+runs the headline command, plots the accuracy per epoch, and then runs the elastic failure demo."""),
+    md("""## The headline run
+
+`make ddp-torchrun NPROC=2`: two processes, CPU + Gloo here, one GPU each + NCCL on a GPU machine. Three epochs
+this time, to have a curve to draw."""),
+    code("""from nbhelpers import final, run
+
+out = run("make --no-print-directory ddp-torchrun NPROC=2 EPOCHS=3 DATASET=mnist-standin")
+summary = final(out)
+assert summary["world_size"] == "2" and summary["test_samples"] == "4000"
+"""),
+    code("""# NBVAL_IGNORE_OUTPUT
+import matplotlib.pyplot as plt
+
+epochs = [line for line in out.splitlines() if line.startswith("epoch ") and "test_acc=" in line]
+acc = [float(line.split("test_acc=")[1]) for line in epochs]
+plt.figure(figsize=(5, 3))
+plt.plot(range(1, len(acc) + 1), acc, marker="o")
+plt.xticks(range(1, len(acc) + 1))
+plt.xlabel("epoch")
+plt.ylabel("test accuracy (all 4000 images)")
+plt.title("mnist_torchrun.py, 2 processes")
+plt.tight_layout()
+plt.show()
+assert acc[-1] > 0.97"""),
+    md("""## A worker fails; torchrun restarts the group; training resumes
+
+`make ddp-elastic` runs the training twice on short epochs: uninterrupted, and with `--max-restarts 1` while
+rank 1 raises at step 20 on the first attempt. The lines below are picked from its log: the failure, the restart
+(`restart 1`), the resume from the epoch-1 checkpoint, and the comparison of the final weights."""),
+    code("""import tempfile
+
+with tempfile.TemporaryDirectory() as tmp:
+    log = run(f"make --no-print-directory ddp-elastic ELASTIC={tmp}/elastic FAIL_AT=20 "
+              "ARGS='--dataset mnist-standin --epochs 2 --max-steps 15'", quiet=True)
+keep = ("---", "torchrun gave", "resumed from", "final:", "bitwise identical")
+for line in log.splitlines():
+    if line.startswith(keep) or "restart" in line and "gave" in line:
+        print(line)
+assert "restart 1" in log and "bitwise identical: True" in log"""),
+    md("""The second run's first attempt died in epoch 2 (its traceback goes to standard error, which
+`nbhelpers.run` keeps for failures only). The restarted group found the checkpoint written after epoch 1,
+repeated epoch 2, and ended with the same weights as the run that never failed. The README explains why the
+restart needs its own namespace in torchrun's key-value store to be reliable on Gloo."""),
+]
+
+ALL = {"00_overview": OVERVIEW, "01_dataparallel": DATAPARALLEL, "02_ddp_spawn": SPAWN,
+       "03_ddp_torchrun": TORCHRUN}
 
 
 def build(name: str) -> None:

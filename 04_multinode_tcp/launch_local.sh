@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Start NNODES x NPROC copies of mnist_tcp.py on this machine, as if on NNODES machines, each with its
+# explicit rank: no launcher, exactly what you would type on every node by hand (each command is printed).
+#
+#   04_multinode_tcp/launch_local.sh tcp  NNODES NPROC [arguments for mnist_tcp.py]
+#   04_multinode_tcp/launch_local.sh file NNODES NPROC [arguments for mnist_tcp.py]
+#
+# If any process fails, the others are stopped at once. PYTHON picks the interpreter (default: python).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+method=${1:-}; nnodes=${2:-}; nproc=${3:-}
+if [[ ! $method =~ ^(tcp|file)$ || ! $nnodes =~ ^[1-9][0-9]*$ || ! $nproc =~ ^[1-9][0-9]*$ ]]; then
+  echo "usage: $0 tcp|file NNODES NPROC [arguments for mnist_tcp.py]" >&2
+  exit 2
+fi
+shift 3
+py=${PYTHON:-python}
+world=$((nnodes * nproc))
+
+workdir=$(mktemp -d)
+if [[ $method == tcp ]]; then
+  port=$("$py" -c 'import common; print(common.free_port())')
+  init="tcp://127.0.0.1:$port"          # on real machines: node 0's address, reachable from all nodes
+else
+  init="file://$workdir/ddp-init"       # must be new for every job: a file left from an old job can hang
+fi
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # all the "nodes" share this machine's cores
+
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  rm -rf "$workdir"
+}
+trap cleanup EXIT INT TERM
+
+for ((node = 0; node < nnodes; node++)); do
+  for ((local = 0; local < nproc; local++)); do
+    cmd=("$py" 04_multinode_tcp/mnist_tcp.py --init-method "$init" --world-size "$world"
+         --nproc-per-node "$nproc" --node-rank "$node" --local-rank "$local" "$@")
+    echo "node $node, process $local: ${cmd[*]}"
+    "${cmd[@]}" &
+    pids+=($!)
+  done
+done
+
+for _ in "${pids[@]}"; do
+  if ! wait -n; then
+    echo "a process failed: stopping the others" >&2
+    exit 1
+  fi
+done
+echo "all $world processes finished"

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Run NNODES torchrun agents on this machine, as if on NNODES machines, each starting NPROC workers of
+# 03_ddp_torchrun/mnist_torchrun.py. Two ways for the nodes to find each other:
+#
+#   static: every node is told the job size, its own --node-rank and the master's address and port
+#   c10d:   every node is told a rendezvous endpoint and job id; node ranks follow arrival order
+#
+#   04_multinode_tcp/launch_torchrun_nodes.sh static|c10d NNODES NPROC [arguments for mnist_torchrun.py]
+#   JOIN_TIMEOUT=30 (seconds a node waits for the others; torchrun's default is 600)
+#   ONLY_NODES="0"  (start only these nodes: shows what happens when one never arrives)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode=${1:-}; nnodes=${2:-}; nproc=${3:-}
+if [[ ! $mode =~ ^(static|c10d)$ || ! $nnodes =~ ^[1-9][0-9]*$ || ! $nproc =~ ^[1-9][0-9]*$ ]]; then
+  echo "usage: $0 static|c10d NNODES NPROC [arguments for mnist_torchrun.py]" >&2
+  exit 2
+fi
+shift 3
+py=${PYTHON:-python}
+port=$("$py" -c 'import common; print(common.free_port())')
+join_timeout=${JOIN_TIMEOUT:-30}
+only=${ONLY_NODES:-$(seq -s ' ' 0 $((nnodes - 1)))}
+
+pids=()
+cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; }
+trap cleanup EXIT INT TERM
+
+for node in $only; do
+  if [[ $mode == static ]]; then
+    rdzv=(--nnodes "$nnodes" --node-rank "$node" --master-addr 127.0.0.1 --master-port "$port"
+          --rdzv-conf "timeout=$join_timeout")
+  else
+    rdzv=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --rdzv-id "job-$port"
+          --rdzv-conf "join_timeout=$join_timeout")
+  fi
+  cmd=("$py" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc"
+       03_ddp_torchrun/mnist_torchrun.py "$@")
+  echo "node $node: ${cmd[*]}"
+  "${cmd[@]}" &
+  pids+=($!)
+done
+
+for _ in "${pids[@]}"; do
+  if ! wait -n; then
+    echo "a node failed: stopping the others" >&2
+    exit 1
+  fi
+done
+echo "all nodes finished"

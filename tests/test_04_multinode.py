@@ -1,0 +1,134 @@
+"""Section 04: several nodes. "Nodes" here are groups of processes on this machine, or network namespaces."""
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from harness import PYTHON, REPO, make, python, run
+
+SHORT = "--dataset mnist-standin --data-dir {} --epochs 1 --max-steps 20 --timeout 60"
+
+
+@pytest.mark.slow
+def test_two_nodes_by_hand_over_tcp(data_dir):
+    res = make("multinode-tcp", "NNODES=2", "NPROC=2", "ARGS=" + SHORT.format(data_dir), timeout=240)
+    for rank, node, local in ((0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)):
+        assert f"rank {rank} (node {node}, local rank {local}) of 4 joined via tcp" in res.stdout
+    assert "--node-rank 1 --local-rank 1" in res.stdout, "each process's command is printed"
+    assert res.final["world_size"] == 4 and res.final["test_samples"] == 4000
+
+
+@pytest.mark.slow
+def test_two_nodes_through_a_fresh_file(data_dir):
+    res = make("multinode-file", "NNODES=2", "NPROC=1", "ARGS=" + SHORT.format(data_dir), timeout=240)
+    assert "rank 1 (node 1, local rank 0) of 2 joined via file" in res.stdout
+    assert res.final["world_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_two_torchrun_agents(rdzv, data_dir):
+    res = make("multinode-torchrun", f"RDZV={rdzv}", "NNODES=2", "NPROC=1", "ARGS=" + SHORT.format(data_dir),
+               timeout=240)
+    assert res.stdout.count("-m torch.distributed.run --nnodes 2") == 2
+    assert res.final["world_size"] == 2 and res.final["test_samples"] == 4000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_a_missing_node_fails_in_seconds_not_minutes(rdzv, data_dir):
+    # torchrun's default join timeout is 600 s; the 90 s outer bound shows JOIN_TIMEOUT=5 is honoured
+    res = run(["bash", REPO / "04_multinode_tcp/launch_torchrun_nodes.sh", rdzv, "2", "1",
+               *SHORT.format(data_dir).split()],
+              env={"PYTHON": PYTHON, "JOIN_TIMEOUT": "5", "ONLY_NODES": "0"}, timeout=90, expect_rc=1)
+    assert "a node failed" in res.stderr
+
+
+def test_mnist_tcp_refuses_impossible_ranks():
+    base = ["04_multinode_tcp/mnist_tcp.py", "--init-method", "tcp://127.0.0.1:1"]
+    cases = [
+        (["--world-size", "2", "--rank", "2"], "rank 2 is not below --world-size 2"),
+        (["--world-size", "4", "--nproc-per-node", "2", "--node-rank", "1", "--local-rank", "2"],
+         "--local-rank 2 must be below --nproc-per-node 2"),
+        (["--world-size", "4", "--nproc-per-node", "2", "--node-rank", "2", "--local-rank", "0"],
+         "rank 4 is not below --world-size 4"),
+        (["--world-size", "4", "--node-rank", "1", "--local-rank", "0"], "--node-rank needs --nproc-per-node"),
+        (["--world-size", "2"], "give --rank, or --node-rank and --local-rank"),
+    ]
+    for extra, message in cases:
+        res = python(*base, *extra, expect_rc=2)
+        assert message in res.stderr and "Traceback" not in res.stderr, (extra, res.stderr)
+    res = python("04_multinode_tcp/mnist_tcp.py", "--init-method", "env://", "--world-size", "1", "--rank", "0",
+                 expect_rc=2)
+    assert "--init-method must be tcp://" in res.stderr
+
+
+def _can_make_netns() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if not shutil.which("ip"):
+        return "needs the ip command (iproute2)"
+    probe = subprocess.run(["ip", "netns", "add", f"ddp-probe-{os.getpid()}"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"ip netns add is not permitted here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", f"ddp-probe-{os.getpid()}"], check=True)
+    return None
+
+
+NETNS_SKIP = _can_make_netns()
+
+
+def _our_namespaces(tag: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.startswith(("ddp0-", "ddp1-")) and tag in line]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NETNS_SKIP is not None, reason=str(NETNS_SKIP))
+def test_two_real_hosts_in_network_namespaces(data_dir):
+    res = make("multinode-netns", "NPROC=1", "ARGS=" + SHORT.format(data_dir), timeout=240)
+    hosts = re.findall(r"host (\d): namespace (ddp\d-\d+), interface (\S+), address (\S+)", res.stdout)
+    assert len(hosts) == 2 and hosts[0][3] != hosts[1][3]
+    assert f"--init-method tcp://{hosts[0][3]}:29500" in res.stdout
+    assert res.final["world_size"] == 2 and res.final["test_samples"] == 4000
+    tag = hosts[0][1].split("-")[1]
+    assert not _our_namespaces(tag), "the namespaces must be removed afterwards"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NETNS_SKIP is not None, reason=str(NETNS_SKIP))
+def test_without_gloo_socket_ifname_the_two_hosts_cannot_connect(data_dir):
+    res = run(["bash", REPO / "04_multinode_tcp/netns_2hosts.sh", "1",
+               *SHORT.format(data_dir).replace("--timeout 60", "--timeout 15").split()],
+              env={"PYTHON": PYTHON, "BREAK": "1"}, timeout=120, expect_rc=1)
+    tag = re.search(r"namespace ddp0-(\d+)", res.stdout).group(1)
+    assert not _our_namespaces(tag), "the namespaces must be removed on failure too"
+
+
+def test_netns_demo_explains_itself_without_root():
+    if not shutil.which("runuser") or os.geteuid() != 0:
+        pytest.skip("needs root to switch to an unprivileged user (runuser)")
+    res = run(["runuser", "-u", "nobody", "--", "bash", REPO / "04_multinode_tcp/netns_2hosts.sh"], expect_rc=77)
+    assert "needs root" in res.stderr and "Nothing was changed" in res.stderr
+
+
+@pytest.mark.slow
+def test_slurm_script_builds_the_torchrun_command_and_runs(tmp_path, data_dir):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text("#!/bin/sh\necho localhost\necho othernode\n")
+    (fake / "srun").write_text('#!/bin/sh\nexec "$@"\n')  # one node: run the command right here
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    env = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "localhost,othernode",
+           "SLURM_JOB_ID": "4242", "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "2",
+           "TORCHRUN": str(Path(PYTHON).parent / "torchrun")}
+    res = run(["bash", REPO / "04_multinode_tcp/slurm_ddp.sbatch", *SHORT.format(data_dir).split()],
+              env=env, timeout=180)
+    assert re.search(r"on every node: \S*torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d "
+                     r"--rdzv-endpoint localhost:24242 --rdzv-id 4242 --rdzv-conf join_timeout=300 "
+                     r"03_ddp_torchrun/mnist_torchrun.py", res.stdout), res.stdout
+    assert res.final["world_size"] == 2
