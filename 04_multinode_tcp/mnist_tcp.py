@@ -20,7 +20,9 @@ Next step: 06_amp_syncbn/mnist_amp_syncbn.py adds mixed precision and SyncBatchN
 
 import argparse
 import gc
+import os
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -127,7 +129,29 @@ def global_rank(parser, args):
                      f"{args.world_size - 1} (world size = nodes x processes per node)")
     if not args.init_method.startswith(("tcp://", "file://")):
         parser.error("--init-method must be tcp://HOST:PORT (rank 0's address) or file://PATH (a new file)")
+    if args.init_method.startswith("file://"):
+        path = Path(args.init_method[len("file://"):])
+        if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):  # FileStore would wait forever
+            parser.error(f"{args.init_method}: the folder {path.parent} does not exist or is not writable")
+        if path.exists() and time.time() - path.stat().st_mtime > 60:
+            parser.error(f"{args.init_method} already exists, left by an earlier job: a file:// path must be "
+                         f"new for every job (delete it or pick another name)")
     return rank, local_rank
+
+
+def join_group(args, rank):
+    """init_process_group with the two usual failures turned into one line each."""
+    try:
+        # rank 0 listens at the tcp:// address (or creates the file); the others connect (or open it)
+        dist.init_process_group(args.backend, init_method=args.init_method, rank=rank,
+                                world_size=args.world_size, timeout=timedelta(seconds=args.timeout))
+    except dist.DistNetworkError as err:
+        sys.exit(f"error: rank {rank} cannot use {args.init_method}: {str(err).splitlines()[0].rstrip('.')}. "
+                 f"Rank 0: is the port taken by another program? Others: is rank 0 running and reachable?")
+    except dist.DistStoreError as err:
+        sys.exit(f"error: rank {rank}: the group did not form within --timeout {args.timeout:g} s "
+                 f"({str(err).splitlines()[0].rstrip('.')}). Start all {args.world_size} processes with the same "
+                 f"--init-method and check that rank 0's address is reachable.")
 
 
 def main():
@@ -151,9 +175,7 @@ def main():
     else:
         common.share_cpu_threads(args.nproc_per_node)
 
-    # rank 0 listens at the tcp:// address (or writes the file); the others connect (or read it)
-    dist.init_process_group(args.backend, init_method=args.init_method, rank=rank,
-                            world_size=args.world_size, timeout=timedelta(seconds=args.timeout))
+    join_group(args, rank)
     try:
         if local_rank == 0:  # one process per machine prepares the data: file systems may not be shared
             args.dataset = common.prepare_data(args.dataset, args.data_dir)

@@ -23,18 +23,18 @@ def test_two_nodes_by_hand_over_tcp(data_dir):
 
 @pytest.mark.slow
 def test_two_nodes_through_a_fresh_file(data_dir):
-    res = make("multinode-file", "NNODES=2", "NPROC=1", "ARGS=" + SHORT.format(data_dir), timeout=240)
-    assert "rank 1 (node 1, local rank 0) of 2 joined via file" in res.stdout
-    assert res.final["world_size"] == 2
+    res = make("multinode-file", "NNODES=2", "NPROC=2", "ARGS=" + SHORT.format(data_dir), timeout=240)
+    assert "rank 3 (node 1, local rank 1) of 4 joined via file" in res.stdout
+    assert res.final["world_size"] == 4 and res.final["test_samples"] == 4000
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_two_torchrun_agents(rdzv, data_dir):
-    res = make("multinode-torchrun", f"RDZV={rdzv}", "NNODES=2", "NPROC=1", "ARGS=" + SHORT.format(data_dir),
+    res = make("multinode-torchrun", f"RDZV={rdzv}", "NNODES=2", "NPROC=2", "ARGS=" + SHORT.format(data_dir),
                timeout=240)
     assert res.stdout.count("-m torch.distributed.run --nnodes 2") == 2
-    assert res.final["world_size"] == 2 and res.final["test_samples"] == 4000
+    assert res.final["world_size"] == 4 and res.final["test_samples"] == 4000
 
 
 @pytest.mark.slow
@@ -45,6 +45,42 @@ def test_a_missing_node_fails_in_seconds_not_minutes(rdzv, data_dir):
                *SHORT.format(data_dir).split()],
               env={"PYTHON": PYTHON, "JOIN_TIMEOUT": "5", "ONLY_NODES": "0"}, timeout=90, expect_rc=1)
     assert "a node failed" in res.stderr
+
+
+@pytest.mark.slow
+def test_a_missing_rank_fails_every_started_process_with_a_clear_message(data_dir):
+    """World size 3, only ranks 0 and 1 started: both fail within the 5 s timeout, naming the problem."""
+    port = str(__import__("common").free_port())
+    out = run(["bash", "-c", " & ".join(
+        f"{PYTHON} 04_multinode_tcp/mnist_tcp.py --init-method tcp://127.0.0.1:{port} --world-size 3 "
+        f"--rank {r} --timeout 5 {SHORT.format(data_dir).replace('--timeout 60', '')}" for r in (0, 1))
+        + "; wait %1; a=$?; wait %2; b=$?; echo exits $a $b"], timeout=60)
+    assert "exits 1 1" in out.stdout, out.tail()
+    assert "the group did not form within --timeout 5 s" in out.stderr
+    assert "2/3 clients joined" in out.stderr and "Start all 3 processes" in out.stderr
+
+
+def test_port_taken_and_bad_file_paths_get_clear_errors(tmp_path):
+    import socket
+    import time
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        res = python("04_multinode_tcp/mnist_tcp.py", "--init-method", f"tcp://127.0.0.1:{port}", "--world-size",
+                     "1", "--rank", "0", "--timeout", "5", "--dataset", "mnist-standin", expect_rc=1, timeout=60)
+    assert "EADDRINUSE" in res.stderr and "is the port taken by another program" in res.stderr
+    assert "Traceback" not in res.stderr
+    res = python("04_multinode_tcp/mnist_tcp.py", "--init-method", f"file://{tmp_path}/no/such/dir/init",
+                 "--world-size", "1", "--rank", "0", expect_rc=2)
+    assert "does not exist or is not writable" in res.stderr
+    old = tmp_path / "old-init"
+    old.write_text("")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    res = python("04_multinode_tcp/mnist_tcp.py", "--init-method", f"file://{old}", "--world-size", "1",
+                 "--rank", "0", expect_rc=2)
+    assert "already exists, left by an earlier job" in res.stderr
 
 
 def test_mnist_tcp_refuses_impossible_ranks():
