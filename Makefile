@@ -23,7 +23,8 @@ DIST_ARGS  := $(if $(BACKEND),--backend $(BACKEND)) $(TRAIN_ARGS)
 .PHONY: help setup data smoke test test-fast notebooks diffs lint clean distclean check-nproc \
         dataparallel dp-shapes ddp-basics ddp-equivalence ddp-spawn \
         ddp-torchrun init-check elastic-ddp ddp-elastic elastic-stress launch-legacy \
-        multinode-tcp multinode-file multinode-torchrun multinode-netns check-nnodes
+        multinode-tcp multinode-file multinode-torchrun multinode-netns check-nnodes \
+        collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo
 
 help: ## list the targets
 	@echo "usage: make TARGET [NPROC=2] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
@@ -130,6 +131,32 @@ multinode-torchrun: $(STAMP) check-nproc check-nnodes ## NNODES torchrun agents 
 
 multinode-netns: $(STAMP) check-nproc ## two real hosts in network namespaces (needs root); NPROC per host
 	PYTHON=$(PY) bash 04_multinode_tcp/netns_2hosts.sh $(NPROC) $(DIST_ARGS)
+
+# ------------------------------------------------------------------ 05: communication
+
+collectives: $(STAMP) check-nproc ## every collective on small tensors, before/after per rank, each checked (NPROC>=2)
+	$(TORCHRUN) 05_collectives/collectives.py $(if $(BACKEND),--backend $(BACKEND)) $(ARGS)
+
+p2p: $(STAMP) check-nproc ## send/recv, isend/irecv and a ring with batch_isend_irecv
+	$(TORCHRUN) 05_collectives/p2p.py $(ARGS)
+
+backend-matrix: $(STAMP) ## measure which ops and dtypes this backend supports; writes bench/results/
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 05_collectives/backend_matrix.py \
+	  $(if $(BACKEND),--backend $(BACKEND)) --output-dir bench/results $(ARGS)
+
+ddp-eval: $(STAMP) check-nproc ## exact distributed evaluation with reduce vs the padded DistributedSampler count
+	$(TORCHRUN) 05_collectives/distributed_eval.py $(ARGS)
+
+ddp-from-scratch: $(STAMP) check-nproc ## data parallelism with broadcast + all_reduce by hand, compared with DDP
+	$(TORCHRUN) 05_collectives/ddp_from_scratch.py $(ARGS)
+
+hang-demo: $(STAMP) check-nproc ## a rank takes a different path: fails in seconds, naming it (succeeds when it fails)
+	@echo "--- 1/2 a collective only rank 0 calls, with TORCH_DISTRIBUTED_DEBUG=DETAIL"
+	@if TORCH_DISTRIBUTED_DEBUG=DETAIL $(TORCHRUN) 05_collectives/hang_demo.py --mode mismatch $(ARGS); then \
+	  echo "error: the mismatch was not detected"; exit 1; else echo "--- failed in seconds, as it should"; fi
+	@echo "--- 2/2 rank 1 is stuck; rank 0 waits in monitored_barrier"
+	@if $(TORCHRUN) 05_collectives/hang_demo.py --mode straggler $(ARGS); then \
+	  echo "error: the straggler was not detected"; exit 1; else echo "--- failed in seconds, as it should"; fi
 
 # ------------------------------------------------------------------ tests and tools
 

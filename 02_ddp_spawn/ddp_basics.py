@@ -36,6 +36,7 @@ def run_demo(rank, world_size, args):
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     try:
         DEMOS[args.demo](rank, world_size, device, args)
+        dist.barrier()  # leave together: a rank that tears down while others still work can abort
     finally:
         # DDP wrappers sit in reference cycles and keep the process group alive: free them now, or
         # they are freed during interpreter shutdown, after the group is gone, and the process aborts

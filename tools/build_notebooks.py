@@ -34,7 +34,7 @@ and shows what they print.
 | 2 | `02_ddp_spawn` | `DistributedDataParallel`, one process per device, started by `mp.spawn` | `make ddp-spawn NPROC=2` |
 | 3 | `03_ddp_torchrun` | the same started by `torchrun` (`env://`), elastic restarts | `make ddp-torchrun NPROC=2` |
 | 4 | `04_multinode_tcp` | `tcp://` and `file://` initialisation, several nodes, Slurm | `make multinode-tcp NNODES=2` |
-| 5 | `05_collectives` | send/recv and the collectives by hand, exact distributed evaluation | (in progress) |
+| 5 | `05_collectives` | send/recv and the collectives by hand, exact distributed evaluation | `make collectives NPROC=4` |
 | 6 | `06_amp_syncbn` | mixed precision (autocast, GradScaler) and SyncBatchNorm, CIFAR-10 ResNet-18 | (in progress) |
 """),
     md("""## DataParallel or DistributedDataParallel?
@@ -83,7 +83,8 @@ assert summary["world_size"] == "1" and summary["test_samples"] == "4000"
 60 steps the accuracy is already well above chance; `make smoke` runs the whole epoch.
 
 Next: [01_dataparallel.ipynb](01_dataparallel.ipynb), [02_ddp_spawn.ipynb](02_ddp_spawn.ipynb),
-[03_ddp_torchrun.ipynb](03_ddp_torchrun.ipynb), [04_multinode_tcp.ipynb](04_multinode_tcp.ipynb)."""),
+[03_ddp_torchrun.ipynb](03_ddp_torchrun.ipynb), [04_multinode_tcp.ipynb](04_multinode_tcp.ipynb),
+[05_collectives.ipynb](05_collectives.ipynb)."""),
 ]
 
 DATAPARALLEL = [
@@ -285,8 +286,64 @@ file instead of an address; `sudo make multinode-netns` runs the two nodes in tw
 its own interface and address."""),
 ]
 
+COLLECTIVES = [
+    md("""# 05 · Collectives, with 4 processes
+
+`collectives.py` runs every collective on small tensors and prints, per rank, the value before and after. Here it
+runs with 4 processes; the tables for `all_reduce` and `reduce_scatter` are drawn as bars. The
+[section README](../05_collectives/README.md) explains each op, the backends, and the evaluation and hang lessons."""),
+    code("""import re
+
+from nbhelpers import run
+
+out = run("make --no-print-directory collectives NPROC=4", quiet=True)
+assert "result: all collectives correct" in out
+
+
+def block(title):
+    \"\"\"The rows of one op's table: [(before, after), ...] per rank, as printed.\"\"\"
+    lines = out.split(title, 1)[1].splitlines()[1:5]
+    return [tuple(eval(part) for part in re.match(r"\\s+rank \\d: (.+?)\\s+-> (.+)", ln).groups()) for ln in lines]
+
+
+for title in ("all_reduce(SUM, float32)", "reduce_scatter(SUM)", "all_to_all_single"):
+    print(title)
+    for rank, (before, after) in enumerate(block(title)):
+        print(f"    rank {rank}: {before} -> {after}")"""),
+    code("""# NBVAL_IGNORE_OUTPUT
+import matplotlib.pyplot as plt
+
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+ar = block("all_reduce(SUM, float32)")
+ranks = range(len(ar))
+axes[0].bar([r - 0.2 for r in ranks], [b[0] for b, _ in ar], width=0.4, label="before")
+axes[0].bar([r + 0.2 for r in ranks], [a[0] for _, a in ar], width=0.4, label="after")
+axes[0].set(title="all_reduce(SUM): every rank gets the sum", xlabel="rank", xticks=list(ranks), ylim=(0, 13))
+axes[0].legend(loc="upper left")
+rs = block("reduce_scatter(SUM)")
+before = [[p[0] for p in b] for b, _ in rs]  # rank r's piece j
+im = axes[1].imshow(before, cmap="Blues")
+for r, row in enumerate(before):
+    for j, v in enumerate(row):
+        axes[1].text(j, r, f"{v:g}", ha="center", va="center")
+for j in ranks:  # what rank j holds afterwards: the sum of column j
+    axes[1].text(j, len(ranks) - 0.1, f"{rs[j][1][0]:g}", ha="center", va="top", color="darkred")
+axes[1].set(title="reduce_scatter: rank j gets column j's sum (red)", xlabel="piece j = rank j", ylabel="rank r",
+            xticks=list(ranks), yticks=list(ranks), ylim=(len(ranks) + 0.4, -0.5))
+plt.tight_layout()
+plt.show()"""),
+    md("""## Exact evaluation
+
+A padded `DistributedSampler` counts some test images twice; strided shards and one `reduce` give exactly the
+single-process numbers."""),
+    code("""# NBVAL_IGNORE_OUTPUT
+out = run("make --no-print-directory ddp-eval NPROC=3 ARGS='--subset 10'")
+assert "padded_count=12 exact_count=10 exact_equals_single=True" in out"""),
+]
+
 ALL = {"00_overview": OVERVIEW, "01_dataparallel": DATAPARALLEL, "02_ddp_spawn": SPAWN,
-       "03_ddp_torchrun": TORCHRUN, "04_multinode_tcp": MULTINODE}
+       "03_ddp_torchrun": TORCHRUN, "04_multinode_tcp": MULTINODE,
+       "05_collectives": COLLECTIVES}
 
 
 def build(name: str) -> None:

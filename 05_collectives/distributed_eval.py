@@ -1,0 +1,100 @@
+"""Evaluate a model on several processes and get exactly the single-process answer: reduce the sums.
+
+The usual shortcut, a DistributedSampler over the test set, pads it so that every rank gets the same
+number of samples: some images are counted twice. This script shows the padded count next to the
+exact one (rank r takes images r, r+world_size, ...), adds the sums up with dist.reduce onto rank 0,
+and compares with a plain single-process evaluation.
+
+    torchrun --standalone --nproc-per-node 3 05_collectives/distributed_eval.py
+    torchrun --standalone --nproc-per-node 3 05_collectives/distributed_eval.py \\
+        --checkpoint runs/elastic/straight/mnist_torchrun.pt
+    make ddp-eval NPROC=3
+"""
+
+import argparse
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Subset
+from torch.utils.data.distributed import DistributedSampler
+
+import common
+
+
+def quick_model(data_dir, steps=100):
+    """A briefly trained ConvNet, for when no --checkpoint is given (rank 0 trains, the others load)."""
+    common.seed_everything(0)
+    model = common.ConvNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    train = common.load_dataset("mnist-standin", data_dir, train=True)
+    for step, (x, y) in enumerate(common.batch_loader(train, 64, shuffle=True)):
+        if step == steps:
+            break
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", help="a checkpoint from the MNIST chain (default: train 100 steps)")
+    parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--subset", type=int, default=0, help="evaluate only the first N test images")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args()
+    if "RANK" not in os.environ:
+        parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 3 " + __file__)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    try:
+        rank, ws = dist.get_rank(), dist.get_world_size()
+        path = args.checkpoint or os.path.join(args.data_dir, "standin", "distributed_eval_model.pt")
+        if rank == 0:
+            common.prepare_data("mnist-standin", args.data_dir, quiet=True)
+            if not args.checkpoint:
+                common.atomic_save(quick_model(args.data_dir), path)
+        dist.barrier()  # the data and the model exist before anyone reads them
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        model = common.ConvNet()
+        model.load_state_dict(state.get("model", state))
+        test = common.load_dataset("mnist-standin", args.data_dir, train=False)
+        if args.subset:
+            test = Subset(test, range(min(args.subset, len(test))))
+        n = len(test)
+
+        # the shortcut: DistributedSampler pads to a multiple of the world size
+        padded = DistributedSampler(test, num_replicas=ws, rank=rank, shuffle=False)
+        naive = common.evaluate(model, common.batch_loader(test, 500, sampler=padded), "cpu")
+        # exact: disjoint strided shards, nothing repeated, nothing left out
+        exact = common.evaluate(model, common.batch_loader(test, 500, sampler=range(rank, n, ws)), "cpu")
+        mine = exact.clone()
+
+        dist.all_reduce(naive)             # every rank gets the (wrong) padded totals
+        dist.reduce(exact, dst=0)          # only rank 0 needs the totals: reduce, not all_reduce
+        rows = [None] * ws
+        dist.all_gather_object(rows, (mine[1].item(), exact[1].item()))
+        if rank == 0:
+            single = common.evaluate(model, common.batch_loader(test, 500), "cpu")
+            common.say(f"{n} test images, {ws} ranks")
+            common.say(f"  padded DistributedSampler: counted {int(naive[1])} images "
+                       f"({int(naive[1]) - n} counted twice), accuracy {naive[0] / naive[1]:.4f}")
+            common.say(f"  exact shards + reduce:     counted {int(exact[1])} images, "
+                       f"accuracy {exact[0] / exact[1]:.4f}")
+            common.say(f"  single process:            counted {int(single[1])} images, "
+                       f"accuracy {single[0] / single[1]:.4f}")
+            common.say("  after dist.reduce(dst=0), what each rank holds as its 'count':")
+            for r, (own, held) in enumerate(rows):
+                note = "the total" if r == 0 else "not the total: only dst gets the result"
+                common.say(f"    rank {r}: own shard {int(own)}, holds {held:g} ({note})")
+            same = torch.equal(exact[:2], single[:2]) and torch.allclose(exact[2], single[2])
+            common.say(f"result: padded_count={int(naive[1])} exact_count={int(exact[1])} "
+                       f"exact_equals_single={same}")
+        dist.barrier()  # leave together: a rank that tears down while others still work can abort
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
