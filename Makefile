@@ -24,7 +24,8 @@ DIST_ARGS  := $(if $(BACKEND),--backend $(BACKEND)) $(TRAIN_ARGS)
         dataparallel dp-shapes ddp-basics ddp-equivalence ddp-spawn \
         ddp-torchrun init-check elastic-ddp ddp-elastic elastic-stress launch-legacy \
         multinode-tcp multinode-file multinode-torchrun multinode-netns check-nnodes \
-        collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo
+        collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo \
+        amp-syncbn syncbn-proof grad-accum cifar-resnet
 
 help: ## list the targets
 	@echo "usage: make TARGET [NPROC=2] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
@@ -157,6 +158,20 @@ hang-demo: $(STAMP) check-nproc ## a rank takes a different path: fails in secon
 	@echo "--- 2/2 rank 1 is stuck; rank 0 waits in monitored_barrier"
 	@if $(TORCHRUN) 05_collectives/hang_demo.py --mode straggler $(ARGS); then \
 	  echo "error: the straggler was not detected"; exit 1; else echo "--- failed in seconds, as it should"; fi
+
+# ------------------------------------------------------------------ 06: mixed precision and SyncBatchNorm
+
+amp-syncbn: $(STAMP) check-nproc ## MNIST with autocast (bf16 on CPU, fp16 + GradScaler on GPU) and SyncBatchNorm
+	$(TORCHRUN) 06_amp_syncbn/mnist_amp_syncbn.py --sync-bn $(DIST_ARGS)
+
+syncbn-proof: $(STAMP) check-nproc ## the all_reduce batch norm equals BatchNorm2d over the global batch
+	$(TORCHRUN) 06_amp_syncbn/syncbn_by_hand.py $(ARGS)
+
+grad-accum: $(STAMP) check-nproc ## gradient accumulation with no_sync: same gradients, fewer all-reduces
+	$(TORCHRUN) 06_amp_syncbn/grad_accumulation.py $(ARGS)
+
+cifar-resnet: $(STAMP) check-nproc ## ResNet-18 on CIFAR-10 (the stand-in offline): augmentation, AMP, eval, resume
+	$(TORCHRUN) 06_amp_syncbn/cifar_resnet.py $(if $(EPOCHS),,--epochs 1 --max-steps 25) $(DIST_ARGS)
 
 # ------------------------------------------------------------------ tests and tools
 

@@ -622,6 +622,21 @@ def batch_loader(dataset: TensorDataset, batch_size: int, sampler=None, shuffle:
                       pin_memory=pin_memory)
 
 
+def augment_cifar(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """CIFAR's standard augmentation for a whole batch at once: random 32x32 crop of the image padded
+    by 4 pixels, and a horizontal flip half of the time. One indexing operation, no per-image loop."""
+    n, c, h, w = x.shape
+    padded = F.pad(x, (4, 4, 4, 4))
+    top = torch.randint(0, 9, (n,), generator=generator).to(x.device)
+    left = torch.randint(0, 9, (n,), generator=generator).to(x.device)
+    rows = (top.view(n, 1) + torch.arange(h, device=x.device)).view(n, 1, h, 1)
+    cols = (left.view(n, 1) + torch.arange(w, device=x.device)).view(n, 1, 1, w)
+    out = padded[torch.arange(n, device=x.device).view(n, 1, 1, 1), torch.arange(c, device=x.device).view(1, c, 1, 1),
+                 rows, cols]
+    flip = (torch.rand(n, generator=generator) < 0.5).to(x.device).view(n, 1, 1, 1)
+    return torch.where(flip, out.flip(3), out)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device) -> torch.Tensor:
     """Local sums over `loader`: tensor([correct, samples, loss_sum]) in float64 on `device`.

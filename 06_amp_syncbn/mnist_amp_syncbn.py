@@ -1,0 +1,183 @@
+"""Step 6 of the MNIST chain: mixed precision (autocast + GradScaler) and SyncBatchNorm.
+
+The parent is 03's mnist_torchrun.py rather than 04's mnist_tcp.py: torchrun is how real jobs are
+started, so the diff shows only what this lesson adds.
+
+    torchrun --standalone --nproc-per-node 2 06_amp_syncbn/mnist_amp_syncbn.py                # bf16 on CPU, fp16 on GPU
+    torchrun --standalone --nproc-per-node 2 06_amp_syncbn/mnist_amp_syncbn.py --amp off --sync-bn
+    torchrun --standalone --nproc-per-node 2 06_amp_syncbn/mnist_amp_syncbn.py --use-mix-precision --clip-grad 1
+    make amp-syncbn NPROC=2
+
+--sync-bn uses nn.SyncBatchNorm on GPUs; on CPUs (where it cannot train) the all_reduce batch norm
+of syncbn_by_hand.py, which computes the same statistics. Copy that file along if you copy this one.
+"""
+
+import argparse
+import gc
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+import common
+
+
+def join_group(args, rank, world_size):
+    """init_process_group from torchrun's environment, in a fresh namespace for every restart.
+
+    torchrun's agent keeps one key-value store for the whole job. Workers restarted after a
+    failure find the failed attempt's keys (its Gloo addresses) still there and may connect to
+    dead processes. A PrefixStore named after TORCHELASTIC_RESTART_COUNT gives each attempt its own keys.
+    """
+    timeout = timedelta(seconds=args.timeout)
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(args.backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
+                            rank=rank, world_size=world_size, timeout=timeout)
+
+
+def train(rank, world_size, args, device):
+    common.seed_everything(args.seed)
+    dataset = args.dataset
+    train_set = common.load_dataset(dataset, args.data_dir, train=True)
+    test_set = common.load_dataset(dataset, args.data_dir, train=False)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = common.batch_loader(train_set, args.batch_size, sampler=sampler,
+                                       pin_memory=device.type == "cuda")
+    # exact evaluation: rank r takes test images r, r+world_size, ...: disjoint, no padding
+    test_loader = common.batch_loader(test_set, 1000, sampler=range(rank, len(test_set), world_size))
+
+    model = common.ConvNet().to(device)
+    if args.sync_bn:  # convert BEFORE the DDP wrap, so that DDP sees the layers it runs
+        if device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        else:
+            from syncbn_by_hand import convert_batchnorm  # the same statistics, with one all_reduce
+            model = convert_batchnorm(model)
+            common.print0(rank, "--sync-bn on CPU: nn.SyncBatchNorm trains on GPUs only; using the all_reduce "
+                                "batch norm of syncbn_by_hand.py (the same global statistics)")
+    # DDP broadcasts rank 0's weights to all ranks, then averages gradients during backward()
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)  # None: full precision
+    # fp16 gradients can underflow to zero: the scaler multiplies the loss first and divides again before
+    # the step (skipping steps with inf/nan). bf16 has fp32's range and needs no scaler.
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    path = Path(args.checkpoint_dir) / "mnist_amp_syncbn.pt" if args.checkpoint_dir else None
+    start_epoch = 0
+    if path and path.exists():  # resume automatically: a restarted job continues where it stopped
+        state = torch.load(path, map_location=device, weights_only=True)
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        common.set_rng_state(state["rng"])
+        start_epoch = state["epoch"]
+        common.print0(rank, f"resumed from {path} after epoch {start_epoch}")
+
+    common.print0(rank, f"training ConvNet on {dataset} ({len(train_set)} train / {len(test_set)} test "
+                        f"images) with {world_size} processes ({args.backend}, {device.type}), "
+                        f"batch {args.batch_size} per process, {args.epochs} epoch(s), amp {args.amp}, "
+                        f"sync-bn {args.sync_bn}")
+    start = time.time()
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle every epoch, the same permutation on every rank
+        model.train()
+        steps = min(len(train_loader), args.max_steps or len(train_loader))
+        bar = common.progress(train_loader, rank, desc=f"epoch {epoch + 1}/{args.epochs}", total=steps)
+        for step, (images, labels) in enumerate(bar):
+            if step == steps:
+                break
+            images = images.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            # the forward in lower precision where it is safe (matmuls, convolutions), fp32 elsewhere
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()  # DDP all-reduces the (scaled) gradients here, bucket by bucket
+            if args.clip_grad:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+            scaler.step(optimizer)  # skipped if the scaled gradients overflowed
+            scaler.update()
+            if args.log_every and (step + 1) % args.log_every == 0:
+                common.print0(rank, f"epoch {epoch + 1} step {step + 1}/{steps} loss={loss.item():.4f}")
+
+        # BatchNorm running statistics differ per rank (each saw its own batches). DDP copies rank 0's
+        # at the start of every forward, but evaluation bypasses the wrapper: copy them now
+        for buffer in model.module.buffers():
+            dist.broadcast(buffer, src=0)
+        # every rank evaluates its part through model.module (no DDP hooks), then the sums are added
+        totals = common.evaluate(model.module, test_loader, device)
+        dist.all_reduce(totals)
+        correct, samples, loss_sum = totals.tolist()
+        common.print0(rank, f"epoch {epoch + 1}/{args.epochs}: train_loss={loss.item():.4f} (rank 0) "
+                            f"test_loss={loss_sum / samples:.4f} test_acc={correct / samples:.4f}")
+        if rank == 0 and path:  # the weights are identical on every rank: one writer is enough
+            common.atomic_save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                                "scaler": scaler.state_dict(), "epoch": epoch + 1, "rng": common.rng_state()}, path)
+
+    if start_epoch >= args.epochs:
+        common.print0(rank, f"nothing to do: the checkpoint is already at epoch {start_epoch}")
+    else:
+        common.print0(rank, common.final_line(
+            test_acc=correct / samples, test_samples=int(samples), world_size=world_size,
+            epochs=args.epochs, seconds=time.time() - start, dataset=dataset, amp=args.amp, sync_bn=args.sync_bn))
+
+
+@record  # on failure, torchrun's summary shows this worker's real traceback
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_common_args(parser)
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=-1, dest="local_rank",
+                        help="set by the deprecated torch.distributed.launch; LOCAL_RANK wins when set")
+    parser.add_argument("--amp", default="auto", choices=("auto", "off", "fp16", "bf16"),
+                        help="mixed precision; auto = fp16 on CUDA, bf16 on CPU")
+    parser.add_argument("--use-mix-precision", action="store_true", help="the older spelling of --amp fp16")
+    parser.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks' samples")
+    parser.add_argument("--clip-grad", type=float, default=0.0, help="clip the gradient norm to this (0 = off)")
+    args = parser.parse_args()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))
+    if not 0 <= rank < world_size or local_rank < 0:
+        parser.error(f"RANK={rank} with WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}: "
+                     f"ranks must run from 0 to WORLD_SIZE-1")
+    common.check_args(parser, args, nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    if args.use_mix_precision:
+        args.amp = "fp16"
+    if args.amp == "auto":
+        args.amp = "fp16" if device.type == "cuda" else "bf16"
+    if args.amp == "fp16" and device.type == "cpu" and rank == 0:
+        common.say("WARNING: fp16 autocast on a CPU runs, but about 10x slower than bf16 here (no fp16 "
+                   "arithmetic units); use --amp bf16 on CPUs")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init: NCCL binds this process to its own GPU
+
+    join_group(args, rank, world_size)
+    try:
+        if rank == 0:  # one process downloads or generates the data while the others wait
+            args.dataset = common.prepare_data(args.dataset, args.data_dir)
+        dist.barrier()
+        args.dataset = common.resolve_dataset(args.dataset, args.data_dir)
+        common.print0(rank, f"torchrun gave {world_size} processes on {socket.gethostname()}; "
+                            f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+        train(rank, world_size, args, device)
+        dist.barrier()  # leave together: a rank that tears down while others still work can abort
+    finally:
+        gc.collect()  # free the DDP model (it sits in reference cycles) while the group still exists
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Section 06: mixed precision, SyncBatchNorm, gradient accumulation, CIFAR-10 ResNet-18."""
+
+import re
+
+import pytest
+import torch
+from harness import REPO, TORCHRUN, make, run
+
+STANDIN = "--dataset mnist-standin --data-dir {}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_all_reduce_batchnorm_equals_batchnorm_on_the_global_batch(nproc):
+    out = make("syncbn-proof", f"NPROC={nproc}", timeout=120).stdout
+    m = re.search(r"result: max_diff=(\S+) plain_diff=(\S+) equal=True", out)
+    assert m, out
+    assert float(m.group(1)) < 1e-5, "outputs, input gradients and running statistics match"
+    assert float(m.group(2)) > 0.1, "while plain BatchNorm on one rank's slice does not"
+    for key in ("output", "input_grad", "running_mean", "running_var"):
+        assert key in out
+
+
+@pytest.mark.slow
+def test_bf16_with_sync_bn_converges_like_fp32(data_dir):
+    args = "ARGS=" + STANDIN.format(data_dir)
+    bf16 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args, timeout=240)
+    fp32 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args + " --amp off", timeout=240)
+    if not torch.cuda.is_available():
+        assert bf16.final["amp"] == "bf16" and "nn.SyncBatchNorm trains on GPUs only" in bf16.stdout
+    assert bf16.final["sync_bn"] == "True" and fp32.final["amp"] == "off"
+    assert bf16.final["test_samples"] == 4000
+    assert fp32.final["test_acc"] > 0.94
+    assert abs(bf16.final["test_acc"] - fp32.final["test_acc"]) < 0.01
+
+
+@pytest.mark.slow
+def test_scaler_state_survives_the_checkpoint_and_resume_continues_identically(data_dir, tmp_path):
+    base = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
+            *STANDIN.format(data_dir).split(), "--amp", "fp16", "--max-steps", "8", "--device", "cpu"]
+    straight = run(base + ["--epochs", "2", "--checkpoint-dir", tmp_path / "A"], timeout=180)
+    assert "WARNING: fp16 autocast on a CPU runs, but about 10x slower" in straight.stdout
+    run(base + ["--epochs", "1", "--checkpoint-dir", tmp_path / "B"], timeout=180)
+    resumed = run(base + ["--epochs", "2", "--checkpoint-dir", tmp_path / "B"], timeout=180)
+    assert "resumed from" in resumed.stdout
+    a = torch.load(tmp_path / "A" / "mnist_amp_syncbn.pt", weights_only=True)
+    b = torch.load(tmp_path / "B" / "mnist_amp_syncbn.pt", weights_only=True)
+    assert a["scaler"] and a["scaler"] == b["scaler"], "GradScaler's scale and growth tracker are restored"
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_with_no_sync():
+    out = make("grad-accum", "NPROC=2", "ARGS=--accum-steps 4", timeout=120).stdout
+    assert "result: calls_no_sync=1 calls_every_step=4 equal=True" in out
+
+
+@pytest.mark.slow
+def test_cifar_resnet_short_run_with_accumulation(tmp_path):
+    data = tmp_path / "data"
+    res = make("cifar-resnet", "NPROC=2",
+               f"ARGS=--dataset cifar10-standin --data-dir {data} --max-steps 3 --accum-steps 2 "
+               f"--checkpoint-dir {tmp_path / 'ck'}", timeout=300)
+    assert res.final["world_size"] == 2 and res.final["test_samples"] == 2000
+    state = torch.load(tmp_path / "ck" / "cifar_resnet.pt", weights_only=True)
+    assert state["epoch"] == 1 and "scaler" in state
+
+
+def test_augment_cifar_crops_and_flips_whole_batches():
+    import common
+
+    x = torch.arange(2 * 3 * 32 * 32, dtype=torch.float32).view(2, 3, 32, 32)
+    out = common.augment_cifar(x, torch.Generator().manual_seed(0))
+    assert out.shape == x.shape
+    assert not torch.equal(out, x), "a crop offset or a flip changes the image"
+
+
+@pytest.mark.cuda
+def test_fp16_with_grad_scaler_and_sync_batchnorm_on_a_gpu(data_dir):
+    res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "1", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
+               *STANDIN.format(data_dir).split(), "--amp", "fp16", "--sync-bn", "--epochs", "1",
+               "--max-steps", "100"], timeout=300)
+    assert res.final["amp"] == "fp16" and res.final["sync_bn"] == "True" and res.final["test_acc"] > 0.8
