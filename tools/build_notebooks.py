@@ -35,7 +35,7 @@ and shows what they print.
 | 3 | `03_ddp_torchrun` | the same started by `torchrun` (`env://`), elastic restarts | `make ddp-torchrun NPROC=2` |
 | 4 | `04_multinode_tcp` | `tcp://` and `file://` initialisation, several nodes, Slurm | `make multinode-tcp NNODES=2` |
 | 5 | `05_collectives` | send/recv and the collectives by hand, exact distributed evaluation | `make collectives NPROC=4` |
-| 6 | `06_amp_syncbn` | mixed precision (autocast, GradScaler) and SyncBatchNorm, CIFAR-10 ResNet-18 | (in progress) |
+| 6 | `06_amp_syncbn` | mixed precision (autocast, GradScaler) and SyncBatchNorm, CIFAR-10 ResNet-18 | `make amp-syncbn NPROC=2` |
 """),
     md("""## DataParallel or DistributedDataParallel?
 
@@ -84,7 +84,8 @@ assert summary["world_size"] == "1" and summary["test_samples"] == "4000"
 
 Next: [01_dataparallel.ipynb](01_dataparallel.ipynb), [02_ddp_spawn.ipynb](02_ddp_spawn.ipynb),
 [03_ddp_torchrun.ipynb](03_ddp_torchrun.ipynb), [04_multinode_tcp.ipynb](04_multinode_tcp.ipynb),
-[05_collectives.ipynb](05_collectives.ipynb)."""),
+[05_collectives.ipynb](05_collectives.ipynb),
+[06_amp_syncbn.ipynb](06_amp_syncbn.ipynb)."""),
 ]
 
 DATAPARALLEL = [
@@ -341,9 +342,59 @@ out = run("make --no-print-directory ddp-eval NPROC=3 ARGS='--subset 10'")
 assert "padded_count=12 exact_count=10 exact_equals_single=True" in out"""),
 ]
 
+AMP = [
+    md("""# 06 · Mixed precision and SyncBatchNorm
+
+Two short runs of `mnist_amp_syncbn.py` with 2 processes, full precision and bf16 (on a GPU: fp16 with a
+GradScaler), with their training losses side by side; then what BatchNorm sees on each rank versus what
+SyncBatchNorm computes. The [section README](../06_amp_syncbn/README.md) explains both."""),
+    code("""from nbhelpers import final, run
+
+args = "--dataset mnist-standin --epochs 1 --max-steps 120 --log-every 10 --sync-bn"
+runs = {amp: run(f"make --no-print-directory amp-syncbn NPROC=2 ARGS='{args} --amp {amp}'", quiet=True)
+        for amp in ("off", "auto")}
+for amp, out in runs.items():
+    print(amp, "->", out.strip().splitlines()[-1])
+    assert final(out)["test_samples"] == "4000"
+"""),
+    code("""# NBVAL_IGNORE_OUTPUT
+import matplotlib.pyplot as plt
+
+plt.figure(figsize=(6, 3.2))
+for amp, out in runs.items():
+    points = [line.split() for line in out.splitlines() if " step " in line]
+    label = "fp32" if amp == "off" else f"mixed ({final(out)['amp']})"
+    plt.plot([int(p[3].split("/")[0]) for p in points], [float(p[4].split("=")[1]) for p in points], label=label)
+plt.xlabel("step")
+plt.ylabel("training loss (rank 0)")
+plt.legend()
+plt.tight_layout()
+plt.show()
+accs = [float(final(out)["test_acc"]) for out in runs.values()]
+assert abs(accs[0] - accs[1]) < 0.02"""),
+    md("""## What BatchNorm sees on each rank
+
+A batch of 8 images split over 2 ranks: plain BatchNorm normalises each half with its own mean and variance;
+SyncBatchNorm (and `AllReduceBatchNorm2d` on CPUs) uses the statistics of all 8. The numbers below are one
+channel's statistics, computed directly."""),
+    code("""import torch
+
+g = torch.Generator().manual_seed(0)
+batch = torch.randn(8, 1, 4, 4, generator=g) * 2 + 1
+batch[4:] += 1.5  # the second rank's images happen to be brighter
+halves = batch.chunk(2)
+print(f"{'':<24}{'mean':>8}{'variance':>10}")
+for r, half in enumerate(halves):
+    print(f"{'BatchNorm on rank ' + str(r):<24}{half.mean():>8.3f}{half.var(unbiased=False):>10.3f}")
+print(f"{'SyncBatchNorm (all 8)':<24}{batch.mean():>8.3f}{batch.var(unbiased=False):>10.3f}")"""),
+    code("""# NBVAL_IGNORE_OUTPUT
+out = run("make --no-print-directory syncbn-proof NPROC=2")
+assert "equal=True" in out"""),
+]
+
 ALL = {"00_overview": OVERVIEW, "01_dataparallel": DATAPARALLEL, "02_ddp_spawn": SPAWN,
        "03_ddp_torchrun": TORCHRUN, "04_multinode_tcp": MULTINODE,
-       "05_collectives": COLLECTIVES}
+       "05_collectives": COLLECTIVES, "06_amp_syncbn": AMP}
 
 
 def build(name: str) -> None:

@@ -19,25 +19,21 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# (parent, step): each step of the MNIST chain and the script it changes. Step 6 builds on the
+# torchrun step, not on 04's hand-started processes: that is how real jobs are launched.
 CHAIN = [
-    "01_dataparallel/mnist_single.py",
-    "01_dataparallel/mnist_dataparallel.py",
-    "02_ddp_spawn/mnist_spawn.py",
-    "03_ddp_torchrun/mnist_torchrun.py",
-    "04_multinode_tcp/mnist_tcp.py",
-    "06_amp_syncbn/mnist_amp_syncbn.py",
+    ("01_dataparallel/mnist_single.py", "01_dataparallel/mnist_dataparallel.py"),
+    ("01_dataparallel/mnist_dataparallel.py", "02_ddp_spawn/mnist_spawn.py"),
+    ("02_ddp_spawn/mnist_spawn.py", "03_ddp_torchrun/mnist_torchrun.py"),
+    ("03_ddp_torchrun/mnist_torchrun.py", "04_multinode_tcp/mnist_tcp.py"),
+    ("03_ddp_torchrun/mnist_torchrun.py", "06_amp_syncbn/mnist_amp_syncbn.py"),
 ]
 BLOCK = re.compile(r"(<!-- chain-diff: (\S+) -> (\S+) -->\n)(.*?)(<!-- /chain-diff -->)", re.S)
 
 
 def steps() -> list[tuple[str, str]]:
-    """Consecutive pairs of chain files that exist (a step not written yet ends the chain)."""
-    present = []
-    for name in CHAIN:
-        if not (REPO / name).exists():
-            break
-        present.append(name)
-    return list(zip(present, present[1:], strict=False))
+    """The chain's (parent, step) pairs whose files both exist (steps not written yet are left out)."""
+    return [(a, b) for a, b in CHAIN if (REPO / a).exists() and (REPO / b).exists()]
 
 
 def render(old: str, new: str) -> str:
