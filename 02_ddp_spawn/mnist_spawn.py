@@ -45,6 +45,7 @@ def main_worker(rank, world_size, args, port):
     finally:
         gc.collect()  # free the DDP model (it sits in reference cycles) while the group still exists
         dist.destroy_process_group()
+    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
 
 
 def train(rank, world_size, args, device):

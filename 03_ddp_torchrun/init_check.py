@@ -12,7 +12,6 @@ Run this first on a new cluster: if it hangs or fails, training will too, and th
 import argparse
 import os
 import socket
-import sys
 from datetime import timedelta
 
 import torch
@@ -52,7 +51,7 @@ def main():
                             f"all_reduce of ones = {int(total.item())}")
     finally:
         dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    common.leave(0 if ok else 1)  # skip the interpreter teardown that can abort (see common.leave)
 
 
 if __name__ == "__main__":

@@ -74,3 +74,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
