@@ -25,7 +25,7 @@ DIST_ARGS  := $(if $(BACKEND),--backend $(BACKEND)) $(TRAIN_ARGS)
         ddp-torchrun init-check elastic-ddp ddp-elastic elastic-stress launch-legacy \
         multinode-tcp multinode-file multinode-torchrun multinode-netns check-nnodes \
         collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo \
-        amp-syncbn syncbn-proof grad-accum cifar-resnet
+        amp-syncbn syncbn-proof grad-accum cifar-resnet bench-allreduce
 
 help: ## list the targets
 	@echo "usage: make TARGET [NPROC=2] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
@@ -172,6 +172,11 @@ grad-accum: $(STAMP) check-nproc ## gradient accumulation with no_sync: same gra
 
 cifar-resnet: $(STAMP) check-nproc ## ResNet-18 on CIFAR-10 (the stand-in offline): augmentation, AMP, eval, resume
 	$(TORCHRUN) 06_amp_syncbn/cifar_resnet.py $(if $(EPOCHS),,--epochs 1 --max-steps 25) $(DIST_ARGS)
+
+# ------------------------------------------------------------------ benchmarks
+
+bench-allreduce: $(STAMP) ## collective bandwidth from 4 KB to 256 MB (ARGS=--quick: to 4 MB); writes bench/results/
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 bench/allreduce_sweep.py $(ARGS)
 
 # ------------------------------------------------------------------ tests and tools
 
