@@ -36,7 +36,7 @@ def run_demo(rank, world_size, args):
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     try:
         DEMOS[args.demo](rank, world_size, device, args)
-        dist.barrier()  # leave together: a rank that tears down while others still work can abort
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         # DDP wrappers sit in reference cycles and keep the process group alive: free them now, or
         # they are freed during interpreter shutdown, after the group is gone, and the process aborts

@@ -82,7 +82,7 @@ def worker(rank, world_size, args, port):
                   f"gradients_averaged={ok}", flush=True)
             if not ok:
                 raise SystemExit("DDP did not behave like gradient averaging")
-        dist.barrier()  # leave together: a rank that tears down while others still work can abort
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         # The DDP wrappers made above sit in reference cycles; collect them while the group still
         # exists, or the cycle collector frees them at interpreter exit and the process aborts.

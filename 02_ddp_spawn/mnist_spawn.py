@@ -41,7 +41,7 @@ def main_worker(rank, world_size, args, port):
                             world_size=world_size, timeout=timedelta(seconds=args.timeout))
     try:
         train(rank, world_size, args, device)
-        dist.barrier()  # leave together: a rank that tears down while others still work can abort
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         gc.collect()  # free the DDP model (it sits in reference cycles) while the group still exists
         dist.destroy_process_group()

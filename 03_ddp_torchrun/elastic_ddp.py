@@ -53,7 +53,7 @@ if __name__ == "__main__":
     common.say(f"start running the basic DDP example on rank {dist.get_rank()} ({device})")
     try:
         train(dist.get_rank(), device)
-        dist.barrier()  # leave together
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         gc.collect()
         dist.destroy_process_group()

@@ -151,7 +151,7 @@ def main():
         common.print0(rank, f"torchrun gave {world_size} processes on {socket.gethostname()}; "
                             f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
         train(rank, world_size, args, device)
-        dist.barrier()  # leave together: a rank that tears down while others still work can abort
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         gc.collect()  # free the DDP model (it sits in reference cycles) while the group still exists
         dist.destroy_process_group()

@@ -184,7 +184,7 @@ def main():
         common.say(f"rank {rank} (node {rank // args.nproc_per_node}, local rank {local_rank}) of "
                    f"{args.world_size} joined via {args.init_method.split(':')[0]} on {socket.gethostname()}")
         train(rank, args.world_size, args, device)
-        dist.barrier()  # leave together: a rank that tears down while others still work can abort
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         gc.collect()  # free the DDP model (it sits in reference cycles) while the group still exists
         dist.destroy_process_group()

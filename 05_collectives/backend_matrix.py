@@ -138,7 +138,7 @@ def main():
                 name = f"backend_matrix_{backend}_{device.type}_{time.strftime('%Y-%m-%d')}.md"
                 path = common.atomic_write_bytes((text + "\n").encode(), os.path.join(args.output_dir, name))
                 common.say(f"\nwritten to {path}")
-        dist.barrier()  # leave together: a rank that tears down while others still work can abort
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()
 

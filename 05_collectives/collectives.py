@@ -168,7 +168,7 @@ def main():
         common.print0(rank, f"{ws} ranks, backend {backend}, device {device.type}\n")
         run_all(rank, ws, device)
         common.print0(rank, f"\nresult: {'all collectives correct' if not FAILED else 'WRONG: ' + ', '.join(FAILED)}")
-        dist.barrier()  # leave together: a rank that tears down while others still work can abort
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()
     common.leave(1 if FAILED else 0)  # skip the interpreter teardown that can abort (see common.leave)

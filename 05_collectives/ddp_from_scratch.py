@@ -66,7 +66,7 @@ def main():
         common.print0(rank, f"  by hand: weights identical on all ranks: {bool(same_everywhere.item())}")
         common.print0(rank, f"  by hand vs DistributedDataParallel: max |difference| = {diff.item():.2e}")
         common.print0(rank, f"result: max_diff={diff.item():.3e} allclose={torch.allclose(mine, theirs, atol=1e-6)}")
-        dist.barrier()  # leave together: a rank that tears down while others still work can abort
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         gc.collect()  # free the DDP model while the group still exists (see 02's pitfalls)
         dist.destroy_process_group()

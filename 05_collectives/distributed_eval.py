@@ -91,7 +91,7 @@ def main():
             same = torch.equal(exact[:2], single[:2]) and torch.allclose(exact[2], single[2])
             common.say(f"result: padded_count={int(naive[1])} exact_count={int(exact[1])} "
                        f"exact_equals_single={same}")
-        dist.barrier()  # leave together: a rank that tears down while others still work can abort
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()
 

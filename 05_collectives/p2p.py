@@ -70,7 +70,7 @@ def main():
         rows = show(rank, "ring with batch_isend_irecv: each rank receives from rank - 1", send, recv)
         ok = all(rows[r][1] == [10.0 * ((r - 1) % ws)] for r in range(ws))
         common.print0(rank, f"result: ring {'correct' if ok else 'WRONG'}")
-        dist.barrier()  # leave together: a rank that tears down while others still work can abort
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()
 

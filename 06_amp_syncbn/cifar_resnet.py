@@ -119,7 +119,7 @@ def main():
         dist.barrier()
         args.dataset = common.resolve_dataset(args.dataset, args.data_dir, family="cifar10")
         train(rank, world_size, args, device)
-        dist.barrier()  # leave together
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         gc.collect()  # free the DDP model while the group still exists
         dist.destroy_process_group()

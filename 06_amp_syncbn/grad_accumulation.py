@@ -76,7 +76,7 @@ def main():
         common.print0(rank, f"  without no_sync: {calls_every} all-reduce(s), max |grad difference| {d2:.2e}")
         common.print0(rank, f"result: calls_no_sync={calls_no_sync} calls_every_step={calls_every} "
                             f"equal={d1 < 1e-6 and d2 < 1e-6}")
-        dist.barrier()  # leave together
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         gc.collect()  # free the DDP models while the group still exists
         dist.destroy_process_group()

@@ -119,7 +119,7 @@ def main():
         common.print0(rank, f"  plain BatchNorm2d on one rank's slice differs by {plain.item():.2e}")
         common.print0(rank, f"result: max_diff={worst.item():.3e} plain_diff={plain.item():.3e} "
                             f"equal={worst.item() < 1e-5}")
-        dist.barrier()  # leave together
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()
 

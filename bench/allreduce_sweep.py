@@ -101,7 +101,7 @@ def main():
                              "algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[op](ws)})
         if rank == 0:
             report(rows, ws, backend, device, limit, args)
-        dist.barrier()  # leave together
+        dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()
 

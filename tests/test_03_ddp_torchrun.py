@@ -8,6 +8,8 @@ import time
 import pytest
 from harness import PYTHON, REPO, TORCHRUN, make, python, run, session_processes
 
+import common
+
 STANDIN = "--dataset mnist-standin --data-dir {}"
 
 
@@ -91,12 +93,9 @@ def test_legacy_launcher_passes_local_rank_and_it_parses(data_dir):
 
 @pytest.mark.slow
 def test_old_underscore_spelling_parses_without_launcher(data_dir):
-    port = str(__import__("common").free_port())
-    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    env_clean = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(common.free_port())}
     res = run([PYTHON, REPO / "03_ddp_torchrun/mnist_torchrun.py", "--local_rank", "0",
-               *STANDIN.format(data_dir).split(), "--epochs", "1", "--max-steps", "3"],
-              env={**env_clean, **env}, timeout=120)
+               *STANDIN.format(data_dir).split(), "--epochs", "1", "--max-steps", "3"], env=env, timeout=120)
     assert res.final["world_size"] == 1
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from harness import PYTHON, REPO, make, python, run
 
+import common
+
 SHORT = "--dataset mnist-standin --data-dir {} --epochs 1 --max-steps 20 --timeout 60"
 
 
@@ -50,7 +52,7 @@ def test_a_missing_node_fails_in_seconds_not_minutes(rdzv, data_dir):
 @pytest.mark.slow
 def test_a_missing_rank_fails_every_started_process_with_a_clear_message(data_dir):
     """World size 3, only ranks 0 and 1 started: both fail within the 5 s timeout, naming the problem."""
-    port = str(__import__("common").free_port())
+    port = str(common.free_port())
     out = run(["bash", "-c", " & ".join(
         f"{PYTHON} 04_multinode_tcp/mnist_tcp.py --init-method tcp://127.0.0.1:{port} --world-size 3 "
         f"--rank {r} --timeout 5 {SHORT.format(data_dir).replace('--timeout 60', '')}" for r in (0, 1))
