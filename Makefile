@@ -1,7 +1,8 @@
 # The course's front door. `make help` lists every target.
 #
 # Variables: NPROC (processes per node, default 2), NNODES (nodes for the multinode targets, default 2), BACKEND (gloo|nccl, default auto),
-# EPOCHS and DATASET (passed to the training scripts when set), ARGS (passed through as is).
+# EPOCHS and DATASET (passed to the training scripts when set), ARGS (passed through as is),
+# BENCH_OUT (where the benchmarks write, default bench/results).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -25,7 +26,8 @@ DIST_ARGS  := $(if $(BACKEND),--backend $(BACKEND)) $(TRAIN_ARGS)
         ddp-torchrun init-check elastic-ddp ddp-elastic elastic-stress launch-legacy \
         multinode-tcp multinode-file multinode-torchrun multinode-netns check-nnodes \
         collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo \
-        amp-syncbn syncbn-proof grad-accum cifar-resnet bench-allreduce
+        amp-syncbn syncbn-proof grad-accum cifar-resnet \
+        bench bench-quick bench-throughput bench-amp bench-buckets bench-allreduce
 
 help: ## list the targets
 	@echo "usage: make TARGET [NPROC=2] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
@@ -175,8 +177,33 @@ cifar-resnet: $(STAMP) check-nproc ## ResNet-18 on CIFAR-10 (the stand-in offlin
 
 # ------------------------------------------------------------------ benchmarks
 
-bench-allreduce: $(STAMP) ## collective bandwidth from 4 KB to 256 MB (ARGS=--quick: to 4 MB); writes bench/results/
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 bench/allreduce_sweep.py $(ARGS)
+# Every benchmark writes NAME_BACKEND_MACHINE_DATE.{json,md,png} into BENCH_OUT. They run one after the other,
+# never side by side: two benchmarks at once would measure each other.
+BENCH_OUT  ?= bench/results
+BENCH_DATA ?= data
+QUICK      ?=
+BENCH_RUN := $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
+
+bench: $(STAMP) check-nproc ## the full benchmark set, one after the other (about 10 minutes on 2 CPU cores)
+	@$(MAKE) --no-print-directory bench-throughput bench-amp bench-buckets bench-allreduce ARGS=
+	@echo "results in $(BENCH_OUT)/; bench/README.md explains how to read them"
+
+bench-quick: $(STAMP) check-nproc ## every benchmark at tiny sizes (under a minute): proves they run; writes bench/results/quick/
+	@$(MAKE) --no-print-directory bench-throughput bench-amp bench-buckets bench-allreduce ARGS= QUICK=--quick \
+	  BENCH_OUT=$(if $(filter bench/results,$(BENCH_OUT)),bench/results/quick,$(BENCH_OUT))
+
+bench-throughput: $(STAMP) ## ConvNet images/s: plain, course loop, DataParallel, DDP ws1, mp.spawn and torchrun ws2
+	$(PY) bench/throughput.py --output-dir $(BENCH_OUT) --data-dir $(BENCH_DATA) $(QUICK) \
+	  $(if $(filter command line environment,$(origin NPROC)),--world-sizes $(NPROC)) $(ARGS)
+
+bench-amp: $(STAMP) ## fp32 vs bf16 autocast (and fp16 + GradScaler on CUDA), ConvNet and ResNet-18
+	$(PY) bench/amp.py --output-dir $(BENCH_OUT) $(QUICK) $(ARGS)
+
+bench-buckets: $(STAMP) check-nproc ## DDP bucket_cap_mb sweep for ResNet-18 with NPROC processes
+	$(BENCH_RUN) bench/buckets.py --output-dir $(BENCH_OUT) $(QUICK) $(ARGS)
+
+bench-allreduce: $(STAMP) check-nproc ## collectives and a p2p ring from 4 KB to 256 MB: latency, algbw, busbw
+	$(BENCH_RUN) bench/allreduce_sweep.py --output-dir $(BENCH_OUT) $(QUICK) $(ARGS)
 
 # ------------------------------------------------------------------ tests and tools
 

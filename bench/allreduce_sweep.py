@@ -1,9 +1,11 @@
-"""Collective bandwidth on this machine: all_reduce, all_gather, reduce_scatter, broadcast from 4 KB to 256 MB.
+"""Collective bandwidth on this machine: all_reduce, all_gather, reduce_scatter, broadcast from 4 KB to 256 MB,
+and an all_reduce built by hand from point-to-point sends around a ring, for the same bytes.
 
 Reports latency, algorithm bandwidth (bytes / time) and bus bandwidth with nccl-tests' definitions
 (all_reduce: algbw x 2(n-1)/n; all_gather, reduce_scatter: algbw x (n-1)/n; broadcast: algbw), next
 to a local limit: the memory copy bandwidth of one process. Sizes and ops are interleaved within
-each round, so machine noise hits all of them alike; the medians over rounds are reported.
+each round, so machine noise hits all of them alike; the medians over rounds are reported, and the
+ring's time relative to all_reduce's is computed inside each round.
 
     torchrun --standalone --nproc-per-node 2 bench/allreduce_sweep.py            # 4 KB .. 256 MB
     torchrun --standalone --nproc-per-node 2 bench/allreduce_sweep.py --quick    # 4 KB .. 4 MB, seconds
@@ -11,20 +13,53 @@ each round, so machine noise hits all of them alike; the medians over rounds are
 """
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+import benchlib
 import common
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+              "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
+              "ring_p2p": lambda n: 2 * (n - 1) / n}  # the same work as all_reduce
+
+
+def ring_all_reduce(chunks: list[torch.Tensor], rank: int, ws: int, scratch: torch.Tensor) -> None:
+    """Sum a tensor over all ranks in place with isend/irecv only; `chunks` are its ws equal views.
+
+    Phase 1 (reduce-scatter): in step s, send chunk (rank - s) to the right neighbour, receive chunk
+    (rank - s - 1) from the left one and add it in. After ws - 1 steps this rank holds the full sum of
+    chunk (rank + 1). Phase 2 (all-gather): pass the finished chunks around the ring once more.
+    Each rank sends 2 (ws - 1) / ws of the tensor: the minimum that any all_reduce needs.
+    """
+    right, left = (rank + 1) % ws, (rank - 1) % ws
+    for step in range(ws - 1):
+        ops = [dist.P2POp(dist.isend, chunks[(rank - step) % ws], right), dist.P2POp(dist.irecv, scratch, left)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        chunks[(rank - step - 1) % ws].add_(scratch)
+    for step in range(ws - 1):
+        ops = [dist.P2POp(dist.isend, chunks[(rank + 1 - step) % ws], right),
+               dist.P2POp(dist.irecv, chunks[(rank - step) % ws], left)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+
+def check_ring(ws: int, device) -> None:
+    """The hand-made ring must give what all_reduce gives (integers in float32: exact)."""
+    rank = dist.get_rank()
+    data = torch.arange(12 * ws, dtype=torch.float32, device=device) * (rank + 1)
+    expected = data.clone()
+    dist.all_reduce(expected)
+    ring_all_reduce(list(data.chunk(ws)), rank, ws, torch.empty(12, device=device))
+    if not torch.equal(data, expected):
+        raise RuntimeError(f"rank {rank}: the p2p ring all_reduce disagrees with dist.all_reduce")
 
 
 def timed(fn, iters):
@@ -44,6 +79,10 @@ def op_runner(name, nbytes, ws, device):
     if name == "broadcast":
         t = torch.ones(n, device=device)
         return lambda: dist.broadcast(t, src=0)
+    if name == "ring_p2p":
+        t = torch.ones(n - n % ws, device=device)
+        chunks, scratch = list(t.chunk(ws)), torch.empty((n - n % ws) // ws, device=device)
+        return lambda: ring_all_reduce(chunks, dist.get_rank(), ws, scratch)
     if name == "all_gather":  # nbytes is the output size, as nccl-tests counts it
         out, part = torch.empty(n - n % ws, device=device), torch.ones((n - n % ws) // ws, device=device)
         return lambda: dist.all_gather_single(out, part)
@@ -67,6 +106,10 @@ def main():
     parser.add_argument("--output-dir", default="bench/results")
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()
+    if args.quick:
+        args.rounds = 2
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -80,9 +123,10 @@ def main():
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
         rank, ws = dist.get_rank(), dist.get_world_size()
+        check_ring(ws, device)
         top = 22 if args.quick else 28  # 4 MB or 256 MB
         sizes = [2 ** k for k in range(12, top + 1, 2)]
-        rounds = 2 if args.quick else args.rounds
+        rounds = args.rounds
         times = {(op, s): [] for op in BUS_FACTOR for s in sizes}
         for r in range(rounds):
             for s in sizes:
@@ -99,52 +143,61 @@ def main():
                 algbw = s / med / 1e9
                 rows.append({"op": op, "bytes": s, "latency_us": med * 1e6, "spread": spread,
                              "algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[op](ws)})
+        # the ring's time / all_reduce's time, per size, computed inside each round
+        ring = [{"bytes": s, **benchlib.summarize([a / b for a, b in zip(times["ring_p2p", s],
+                                                                          times["all_reduce", s], strict=True)])}
+                for s in sizes]
         if rank == 0:
-            report(rows, ws, backend, device, limit, args)
+            report(rows, ring, ws, backend, device, limit, args)
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()
 
 
-def report(rows, ws, backend, device, limit, args):
-    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-               "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
-               "torch": torch.__version__, "backend": backend, "world_size": ws}
-    lines = [f"{ws} processes, {backend} on {device.type}, torch {torch.__version__}; "
-             f"memory copy of one process: {limit:.1f} GB/s (the local limit)", "",
-             "| op | size | latency | algbw GB/s | busbw GB/s | spread |", "|---|---:|---:|---:|---:|---:|"]
-    for row in rows:
-        size = f"{row['bytes'] >> 20} MB" if row["bytes"] >= 1 << 20 else f"{row['bytes'] >> 10} KB"
-        lines.append(f"| {row['op']} | {size} | {row['latency_us']:.0f} us | {row['algbw_GBps']:.3f} | "
-                     f"{row['busbw_GBps']:.3f} | {row['spread']:.0%} |")
+def size_label(nbytes: int) -> str:
+    return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
+
+
+def report(rows, ring, ws, backend, device, limit, args):
+    machine = {**benchlib.machine_info(device, backend), "world_size": ws}
+    lines = [f"# Collective bandwidth, {ws} processes ({device.type}, {backend})", "",
+             f"{machine['gpu'] or machine['cpu']}, {machine['cores']} cores, torch {torch.__version__}; "
+             f"medians over {args.rounds} rounds; memory copy of one process: "
+             f"{limit:.1f} GB/s (the local limit). ring_p2p is all_reduce made of isend/irecv around a ring.", ""]
+    lines += benchlib.md_table(["op", "size", "latency", "algbw GB/s", "busbw GB/s", "spread"],
+                               [[r["op"], size_label(r["bytes"]), f"{r['latency_us']:.0f} us", f"{r['algbw_GBps']:.3f}",
+                                 f"{r['busbw_GBps']:.3f}", f"{r['spread']:.0%}"] for r in rows])
+    lines += ["", "Point-to-point ring vs dist.all_reduce, the same bytes: time ratio (above 1: the ring is slower)",
+              ""]
+    lines += benchlib.md_table(["size", "ring time / all_reduce time"],
+                               [[size_label(r["bytes"]), f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"]
+                                for r in ring])
     text = "\n".join(lines)
     common.say(text)
-    tag = f"allreduce_sweep_{backend}_{device.type}{'_quick' if args.quick else ''}_{time.strftime('%Y-%m-%d')}"
-    os.makedirs(args.output_dir, exist_ok=True)
-    common.atomic_write_bytes((text + "\n").encode(), os.path.join(args.output_dir, tag + ".md"))
-    common.atomic_write_bytes(json.dumps({"machine": machine, "memcpy_GBps": limit, "rows": rows},
-                                         indent=1).encode(), os.path.join(args.output_dir, tag + ".json"))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    plt.figure(figsize=(6.5, 4))
-    for op in BUS_FACTOR:
-        pts = [r for r in rows if r["op"] == op]
-        plt.plot([r["bytes"] for r in pts], [r["busbw_GBps"] for r in pts], marker="o", label=op)
-    plt.axhline(limit, color="gray", linestyle="--", label=f"memcpy, 1 process ({limit:.1f} GB/s)")
-    plt.xscale("log", base=2)
-    plt.yscale("log")
-    plt.xlabel("message size (bytes)")
-    plt.ylabel("bus bandwidth (GB/s)")
-    plt.title(f"{backend} on {device.type}, {ws} processes")
-    plt.legend(fontsize=8)
-    plt.tight_layout()
-    plt.savefig(os.path.join(args.output_dir, tag + ".png"), dpi=100)
-    common.say(f"written: {args.output_dir}/{tag}.md, .json, .png")
+    name = benchlib.stem("allreduce_sweep", device, backend, args.quick)
+    out = Path(args.output_dir)
+    paths = benchlib.write_results(out, name, {"bench": "allreduce_sweep", "machine": machine, "quick": args.quick,
+                                               "memcpy_GBps": limit, "rows": rows, "ring_vs_all_reduce": ring},
+                                   lines)
+    plt = benchlib.pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for op in BUS_FACTOR:
+            pts = [r for r in rows if r["op"] == op]
+            ax.plot([r["bytes"] for r in pts], [r["busbw_GBps"] for r in pts], marker="o", label=op,
+                    linestyle=":" if op == "ring_p2p" else "-")
+        ax.axhline(limit, color="gray", linestyle="--", label=f"memcpy, 1 process ({limit:.1f} GB/s)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_title(f"{backend} on {device.type}, {ws} processes")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=100)
+        plt.close(fig)
+        paths.append(out / f"{name}.png")
+    common.say("written: " + ", ".join(str(p) for p in paths))
 
 
 if __name__ == "__main__":

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from harness import make, python
 from torch import nn
 
 import common
+from harness import make, python
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="DataParallel has a CPU-only path only without a GPU")

@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 import torch
-from harness import PYTHON, REPO, make, python, run
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+from harness import PYTHON, REPO, make, python, run
 
 # ------------------------------------------------------------------ DistributedSampler, in-process
 

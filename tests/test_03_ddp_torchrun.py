@@ -6,9 +6,9 @@ import subprocess
 import time
 
 import pytest
-from harness import PYTHON, REPO, TORCHRUN, make, python, run, session_processes
 
 import common
+from harness import PYTHON, REPO, TORCHRUN, make, python, run, session_processes
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
 

@@ -7,9 +7,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness import PYTHON, REPO, make, python, run
 
 import common
+from harness import PYTHON, REPO, make, python, run
 
 SHORT = "--dataset mnist-standin --data-dir {} --epochs 1 --max-steps 20 --timeout 60"
 

@@ -3,6 +3,7 @@
 import re
 
 import pytest
+
 from harness import make
 
 # Gloo on CPU, as recorded in the project's measured facts: every op of the static table works

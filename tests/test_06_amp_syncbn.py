@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+
 from harness import REPO, TORCHRUN, make, run
 
 STANDIN = "--dataset mnist-standin --data-dir {}"

@@ -11,9 +11,9 @@ import textwrap
 import pytest
 import torch
 import torchvision
-from harness import PYTHON, REPO
 
 import common
+from harness import PYTHON, REPO
 
 # ------------------------------------------------------------------ stand-ins through torchvision's own classes
 

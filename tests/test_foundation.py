@@ -4,6 +4,7 @@ import re
 import shutil
 
 import pytest
+
 from harness import PYTHON, REPO, make, python, run
 
 
