@@ -184,7 +184,7 @@ BENCH_DATA ?= data
 QUICK      ?=
 BENCH_RUN := $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
 
-bench: $(STAMP) check-nproc ## the full benchmark set, one after the other (about 10 minutes on 2 CPU cores)
+bench: $(STAMP) check-nproc ## the full benchmark set, one after the other (about 5 minutes on 2 CPU cores)
 	@$(MAKE) --no-print-directory bench-throughput bench-amp bench-buckets bench-allreduce ARGS=
 	@echo "results in $(BENCH_OUT)/; bench/README.md explains how to read them"
 

@@ -128,13 +128,17 @@ def main():
         sizes = [2 ** k for k in range(12, top + 1, 2)]
         rounds = args.rounds
         times = {(op, s): [] for op in BUS_FACTOR for s in sizes}
+        copies = []
         for r in range(rounds):
             for s in sizes:
-                iters = max(2, min(50, (64 << 20) // s))
-                for op in BUS_FACTOR:  # interleaved: every op at this size, then the next size
+                iters = max(2, min(10 if args.quick else 200, (256 << 20) // s))  # ~0.1-0.5 s per op and size
+                for op in benchlib.rotated(list(BUS_FACTOR), r):  # every op at this size, then the next size
                     times[op, s].append(timed(op_runner(op, s, ws, device), iters))
+            if rank == 0:  # the local limit, measured in every round too, while the other ranks wait
+                copies.append(memcpy_gbps(sizes[-1], device))
+            dist.barrier()
             common.print0(rank, f"round {r + 1}/{rounds} done")
-        limit = memcpy_gbps(min(sizes[-1], 256 << 20), device)
+        limit = statistics.median(copies) if rank == 0 else 0.0
         rows = []
         for op in BUS_FACTOR:
             for s in sizes:

@@ -74,7 +74,7 @@ def main(argv=None):
                                      epilog="\n".join(__doc__.splitlines()[2:]))
     parser.add_argument("--quick", action="store_true", help="batch 4, 2 steps, 1 round: a smoke run")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each measurement")
     parser.add_argument("--models", default="convnet,resnet18", help="comma-separated: convnet, resnet18")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--output-dir", default="bench/results")
@@ -126,7 +126,8 @@ def report(args, cfg, device, models, precisions, rounds, losses):
                "ratios": ratios, "final_loss": losses, "per_round": rounds}
     md = [f"# Mixed precision, training images/s ({device.type})", "",
           f"{machine['gpu'] or machine['cpu']}, {machine['cores']} cores, torch {torch.__version__}; one process; "
-          f"median (min-max) over {args.rounds} round(s); fp16 uses a GradScaler.", ""]
+          f"median (min-max) over {args.rounds} round(s); fp16 uses a GradScaler. CPU features: "
+          f"{', '.join(machine['cpu_flags']) or 'none of avx2, avx512f, avx512_bf16, amx_bf16'}.", ""]
     md += benchlib.md_table(["model", "batch", "precision", "images/s", "vs fp32", "loss after"],
                             [[k.split("/")[0], cfg["batch"][k.split("/")[0]], k.split("/")[1],
                               benchlib.fmt_range(results[k], 1),
