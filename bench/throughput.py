@@ -232,6 +232,16 @@ def ratio_definitions(device, world_sizes: list[int]) -> list[tuple[str, str, ca
     return defs
 
 
+def world_sizes_arg(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}") from None
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"every world size must be at least 1, got {text!r}")
+    return sizes
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -241,7 +251,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=150, help="timed steps per variant and round")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each measurement")
     parser.add_argument("--batch-size", type=int, default=64, help="per process")
-    parser.add_argument("--world-sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
+    parser.add_argument("--world-sizes", type=world_sizes_arg, default=None,
                         help="comma-separated, such as 2,4 (default: 2, 4, 8 as far as cores or GPUs allow)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dataset", default="mnist-standin", choices=["mnist", "mnist-standin"])
@@ -295,6 +305,7 @@ def main(argv=None):
                 common.say(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v:.0f}" for k, v in measured.items()))
         torch.set_num_threads(cores)
     finally:
+        gc.collect()  # DDP wrappers left in reference cycles would keep the group alive past its destruction
         dist.destroy_process_group()
     report(args, cfg, device, backend, variants, rounds, startups, world_sizes, note)
 

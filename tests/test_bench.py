@@ -103,4 +103,6 @@ def test_benchmarks_refuse_bad_input(tmp_path):
     assert "start me with torchrun" in bad.stderr
     bad = run([PYTHON, REPO / "bench/throughput.py", "--steps", "0", "--output-dir", tmp_path], expect_rc=2)
     assert "--steps must be at least 1" in bad.stderr
+    bad = run([PYTHON, REPO / "bench/throughput.py", "--world-sizes", "2,0", "--output-dir", tmp_path], expect_rc=2)
+    assert "every world size must be at least 1" in bad.stderr
     assert not list(tmp_path.iterdir())
