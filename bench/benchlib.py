@@ -135,8 +135,11 @@ def check_finite(obj, where: str = "result") -> None:
 
 
 def write_results(out_dir, name: str, payload: dict, md_lines: list[str]) -> list[Path]:
-    """Write NAME.json and NAME.md atomically; return their paths."""
+    """Write NAME.json and NAME.md atomically; return their paths. A quick run's table says what it is."""
     check_finite(payload)
+    if payload.get("quick"):
+        md_lines = md_lines[:1] + ["", "> Quick run (`--quick`): tiny sizes and few steps, to check that the benchmark "
+                                       "runs. Do not read speeds from it."] + md_lines[1:]
     out = Path(out_dir)
     paths = [common.atomic_write_bytes((json.dumps(payload, indent=1) + "\n").encode(), out / f"{name}.json"),
              common.atomic_write_bytes(("\n".join(md_lines) + "\n").encode(), out / f"{name}.md")]

@@ -69,6 +69,7 @@ def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, da
         assert all(k in data for k in keys), f"{bench}: missing {[k for k in keys if k not in data]}"
         md = stem.with_suffix(".md").read_text()
         assert md.startswith("# ") and "| ---" in md, f"{bench}: no markdown table"
+        assert "> Quick run" in md, f"{bench}: a quick table must say that it is one"
         assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{bench}: not a PNG"
         if "results" in data:
             assert data["results"] and all(well_formed(s) for s in data["results"].values()), data["results"]
