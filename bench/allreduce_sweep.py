@@ -7,12 +7,11 @@ to a local limit: the memory copy bandwidth of one process. Sizes and ops are in
 each round, so machine noise hits all of them alike; the medians over rounds are reported, and the
 ring's time relative to all_reduce's is computed inside each round.
 
-    torchrun --standalone --nproc-per-node 2 bench/allreduce_sweep.py            # 4 KB .. 256 MB
+    torchrun --standalone --nproc-per-node 2 bench/allreduce_sweep.py            # 4 KB .. 256 MB, about a minute
     torchrun --standalone --nproc-per-node 2 bench/allreduce_sweep.py --quick    # 4 KB .. 4 MB, seconds
     make bench-allreduce
 """
 
-import argparse
 import os
 import statistics
 import time
@@ -100,10 +99,7 @@ def memcpy_gbps(nbytes, device):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 KB .. 4 MB, 2 rounds: a smoke run")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--output-dir", default="bench/results")
+    parser = benchlib.make_parser(__doc__, "4 KB .. 4 MB, 2 rounds")
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()
     if args.quick:

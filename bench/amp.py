@@ -6,14 +6,13 @@ units for it (tensor cores on recent GPUs; some CPUs have bf16 instructions, man
 is a measurement, not a rule: this script takes it. Every (model, precision) pair runs once per round, in
 a rotating order; the ratio to fp32 is computed inside each round.
 
-    python bench/amp.py              # the full set (about 2 minutes on 2 CPU cores)
+    python bench/amp.py              # the full set (about 40 s on 2 CPU cores)
     python bench/amp.py --quick      # tiny batches, 1 round: checks that everything runs
     make bench-amp
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -69,15 +68,10 @@ def loss_of(model, images, labels) -> torch.Tensor:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
-    parser.add_argument("--quick", action="store_true", help="batch 4, 2 steps, 1 round: a smoke run")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = benchlib.make_parser(__doc__, "batch 4, 2 steps, 1 round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each measurement")
     parser.add_argument("--models", default="convnet,resnet18", help="comma-separated: convnet, resnet18")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--output-dir", default="bench/results")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
@@ -102,15 +96,8 @@ def main(argv=None):
     runners = {(m, p): make_runner(m, p, batches[m], cfg, device) for m in models for p in precisions}
     common.say(f"{', '.join(models)} x {', '.join(precisions)} on {device.type} "
                f"({torch.cuda.get_device_name(device) if cuda else benchlib.cpu_model()}), {args.rounds} round(s)")
-    rounds, losses = [], {}
-    for r in range(args.rounds):
-        measured = {}
-        for key in benchlib.rotated(list(runners), r):
-            result = runners[key]()
-            measured["/".join(key)] = result["images_per_s"]
-            losses["/".join(key)] = result["loss"]
-        rounds.append(measured)
-        common.say(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v:.1f}" for k, v in measured.items()))
+    per_round = benchlib.run_rounds({"/".join(key): run for key, run in runners.items()}, args.rounds)
+    rounds, losses = benchlib.column(per_round), benchlib.column(per_round, "loss")[-1]
     report(args, cfg, device, models, precisions, rounds, losses)
 
 

@@ -8,6 +8,7 @@ computed inside each round and only then summarised over the rounds.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -21,6 +22,26 @@ from pathlib import Path
 import torch
 
 import common
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def make_parser(doc: str, quick_help: str) -> argparse.ArgumentParser:
+    """The flags every benchmark has: --quick, --rounds, --output-dir; the module docstring as help."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0], epilog="\n".join(doc.splitlines()[2:]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick_help + ": a smoke run, not a measurement")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="rounds of every variant (default %(default)s)")
+    parser.add_argument("--output-dir", default="bench/results", help="where results go (default %(default)s)")
+    return parser
 
 
 def cpu_model() -> str:
@@ -84,6 +105,25 @@ def rotated(items: list, round_index: int) -> list:
     """The round's order: round r starts with item r, so no variant always runs first or last."""
     k = round_index % len(items) if items else 0
     return items[k:] + items[:k]
+
+
+def run_rounds(variants: dict, rounds: int, say=common.say) -> list[dict]:
+    """Run every variant once per round, in the rotated order; print each round's images/s.
+
+    `variants` maps a name to a function returning a dict with at least 'images_per_s'. Returns one
+    {name: that dict} per round, so that ratios can be taken inside a round.
+    """
+    per_round = []
+    for r in range(rounds):
+        results = {name: variants[name]() for name in rotated(list(variants), r)}
+        per_round.append(results)
+        say(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v['images_per_s']:.4g}" for k, v in results.items()))
+    return per_round
+
+
+def column(per_round: list[dict], key: str = "images_per_s") -> list[dict]:
+    """One number per variant and round: [{name: result[key]}, ...] (variants without it are left out)."""
+    return [{name: result[key] for name, result in r.items() if key in result} for r in per_round]
 
 
 def sync(device: torch.device) -> None:

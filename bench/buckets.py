@@ -15,7 +15,6 @@ Each round runs every variant once, in a rotating order, from the same initial w
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import os
@@ -64,16 +63,11 @@ def make_runner(cap_mb: float | None, cfg: dict, device: torch.device, local_ran
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
-    parser.add_argument("--quick", action="store_true", help="batch 2, 1 timed step, caps 1 and 25 MB, 1 round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = benchlib.make_parser(__doc__, "batch 2, 1 timed step, caps 1 and 25 MB, 1 round")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 4 on CPU, 30 on GPU)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (DDP rebuilds its buckets after step 1)")
     parser.add_argument("--batch-size", type=int, default=None, help="per process (default 16 on CPU, 128 on GPU)")
     parser.add_argument("--caps", default="1,5,25,100", help="bucket_cap_mb values, comma-separated")
-    parser.add_argument("--output-dir", default="bench/results")
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
@@ -107,16 +101,8 @@ def main(argv=None):
         runners.update({f"{c:g} MB": make_runner(c, cfg, device, local_rank) for c in caps})
         common.print0(rank, f"ResNet-18, {ws} processes, {backend} on {device.type}, batch {cfg['batch']} per process, "
                             f"{cfg['steps']} timed steps, {args.rounds} round(s)")
-        rounds, buckets = [], {}
-        for r in range(args.rounds):
-            measured = {}
-            for name in benchlib.rotated(list(runners), r):
-                result = runners[name]()
-                measured[name] = result["images_per_s"]
-                buckets[name] = result["buckets"]
-            rounds.append(measured)
-            common.print0(rank, f"round {r + 1}/{args.rounds}: "
-                                + ", ".join(f"{k} {v:.1f}" for k, v in measured.items()))
+        per_round = benchlib.run_rounds(runners, args.rounds, say=lambda line: common.print0(rank, line))
+        rounds, buckets = benchlib.column(per_round), benchlib.column(per_round, "buckets")[-1]
         if rank == 0:
             report(args, cfg, device, backend, list(runners), rounds, buckets)
         dist.barrier()

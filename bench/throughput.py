@@ -12,7 +12,7 @@ DDP with N processes via mp.spawn / torchrun .... spawn_wsN, torchrun_wsN (N = 2
 Every variant runs once per round, in an order that rotates; the ratios (DDP's overhead, the data path's
 cost, speedup and scaling efficiency) are computed inside each round, then summarised as median and range.
 
-    python bench/throughput.py                 # the full set, about 3 minutes on 2 cores
+    python bench/throughput.py                 # the full set, about 2 minutes on 2 cores
     python bench/throughput.py --quick         # 1 round of a few steps: checks that everything runs
     make bench-throughput
 """
@@ -243,11 +243,7 @@ def world_sizes_arg(text: str) -> list[int]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
-    parser.add_argument("--quick", action="store_true", help="1 round, 3 steps per variant: a smoke run")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = benchlib.make_parser(__doc__, "1 round, 3 steps per variant")
     parser.add_argument("--steps", type=int, default=150, help="timed steps per variant and round")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each measurement")
     parser.add_argument("--batch-size", type=int, default=64, help="per process")
@@ -256,7 +252,6 @@ def main(argv=None):
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dataset", default="mnist-standin", choices=["mnist", "mnist-standin"])
     parser.add_argument("--data-dir", default="data")
-    parser.add_argument("--output-dir", default="bench/results")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds for one launch or collective")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     parser.add_argument("--worker-config", help=argparse.SUPPRESS)
@@ -293,25 +288,19 @@ def main(argv=None):
             common.say(f"ConvNet, batch {args.batch_size} per process, {args.steps} timed steps per variant, "
                        f"{args.rounds} round(s), {device.type} ({benchlib.cpu_model()}, {cores} cores)"
                        + (f"; {note}" if note else ""))
-            rounds, startups = [], {}
-            for r in range(args.rounds):
-                measured = {}
-                for name in benchlib.rotated(list(variants), r):
-                    result = variants[name][1]()
-                    measured[name] = result["images_per_s"]
-                    if "startup_s" in result:
-                        startups.setdefault(name, []).append(result["startup_s"])
-                rounds.append(measured)
-                common.say(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v:.0f}" for k, v in measured.items()))
+            per_round = benchlib.run_rounds({n: fn for n, (_, fn) in variants.items()}, args.rounds)
         torch.set_num_threads(cores)
     finally:
         gc.collect()  # DDP wrappers left in reference cycles would keep the group alive past its destruction
         dist.destroy_process_group()
-    report(args, cfg, device, backend, variants, rounds, startups, world_sizes, note)
+    report(args, cfg, device, backend, variants, per_round, world_sizes, note)
 
 
-def report(args, cfg, device, backend, variants, rounds, startups, world_sizes, note):
+def report(args, cfg, device, backend, variants, per_round, world_sizes, note):
     names = list(variants)
+    rounds = benchlib.column(per_round)
+    startups = {n: [r[n] for r in benchlib.column(per_round, "startup_s")] for n in names
+                if "startup_s" in per_round[0][n]}
     results = {n: benchlib.summarize([r[n] for r in rounds]) for n in names}
     ratios = {key: {"meaning": meaning, **benchlib.summarize([f(r) for r in rounds])}
               for key, meaning, f in ratio_definitions(device, world_sizes)}
