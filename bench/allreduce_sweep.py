@@ -104,8 +104,6 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.rounds = 2
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank = int(os.environ["LOCAL_RANK"])

@@ -264,7 +264,7 @@ def main(argv=None):
         return
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 3, 1
-    for name in ("rounds", "steps", "batch_size"):
+    for name in ("steps", "batch_size"):  # --rounds is checked by its type (benchlib.positive_int)
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     try:
