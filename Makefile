@@ -1,6 +1,7 @@
 # The course's front door. `make help` lists every target.
 #
-# Variables: NPROC (processes per node, default 2), NNODES (nodes for the multinode targets, default 2), BACKEND (gloo|nccl, default auto),
+# Variables: NPROC (processes per node; default: one per GPU, or 2 without GPUs), NNODES (nodes for the multinode
+# targets, default 2), BACKEND (gloo|nccl, default auto),
 # EPOCHS and DATASET (passed to the training scripts when set), ARGS (passed through as is),
 # BENCH_OUT (where the benchmarks write, default bench/results).
 
@@ -9,7 +10,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-NPROC   ?= 2
+# GPUs this machine shows (nvidia-smi, narrowed by CUDA_VISIBLE_DEVICES when set): NPROC's default is one
+# process per GPU, so that a GPU user's first run trains on the GPUs; 2 processes on a machine without any
+GPUS    := $(shell if [ -n "$${CUDA_VISIBLE_DEVICES+set}" ]; then echo "$$CUDA_VISIBLE_DEVICES" | tr ',' '\n' \
+             | grep -c .; else nvidia-smi -L 2>/dev/null | grep -c '^GPU'; fi)
+NPROC   ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
 NNODES  ?= 2
 BACKEND ?=
 EPOCHS  ?=
@@ -27,10 +32,11 @@ DIST_ARGS  := $(if $(BACKEND),--backend $(BACKEND)) $(TRAIN_ARGS)
         multinode-tcp multinode-file multinode-torchrun multinode-netns check-nnodes \
         collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo \
         amp-syncbn syncbn-proof grad-accum cifar-resnet \
-        bench bench-quick bench-throughput bench-amp bench-buckets bench-allreduce
+        bench bench-quick bench-throughput bench-amp bench-buckets bench-allreduce gpu-check
 
 help: ## list the targets
-	@echo "usage: make TARGET [NPROC=2] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
+	@echo "usage: make TARGET [NPROC=$(NPROC)] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
+	@echo "NPROC defaults to one process per GPU ($(GPUS) visible), or 2 without GPUs"
 	@grep -hE '^[a-z0-9][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-18s %s\n", $$1, $$2}'
 
 # ------------------------------------------------------------------ setup
@@ -204,6 +210,9 @@ bench-buckets: $(STAMP) check-nproc ## DDP bucket_cap_mb sweep for ResNet-18 wit
 
 bench-allreduce: $(STAMP) check-nproc ## collectives and a p2p ring from 4 KB to 256 MB: latency, algbw, busbw
 	$(BENCH_RUN) bench/allreduce_sweep.py --output-dir $(BENCH_OUT) $(QUICK) $(ARGS)
+
+gpu-check: $(STAMP) ## on a GPU machine: the GPU tests, every target on CUDA, GPU figures -> bench/results/gpu_check_*
+	$(PY) bench/gpu_check.py --output-dir $(BENCH_OUT) $(ARGS)
 
 # ------------------------------------------------------------------ tests and tools
 

@@ -16,6 +16,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import socket
 import struct
 import sys
@@ -118,9 +119,12 @@ class RangeDataset(Dataset):
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python and torch (all devices) so two runs with the same seed start identically."""
+    """Seed Python and torch (every device), and make cuDNN pick deterministic algorithms, so that two
+    runs with the same seed compute the same weights (the resume and restart demos compare them bitwise)."""
     random.seed(seed)
     torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = True  # on a GPU; no effect on the CPU
+    torch.backends.cudnn.benchmark = False
 
 
 def share_cpu_threads(procs_per_node: int) -> int:
@@ -142,32 +146,101 @@ class UsageError(ValueError):
     """A request that cannot work; the message says what to do instead."""
 
 
-def choose_device_backend(device: str = "auto", backend: str = "auto", nproc_per_node: int = 1):
-    """Pick (device type, backend): CUDA + NCCL when there is one GPU per process, else CPU + Gloo.
+def gpu_count() -> int:
+    """The CUDA GPUs this process can use: 0 without CUDA, without a working driver, or with GPUs older
+    than this torch build has kernels for (it would fail at the first operation)."""
+    if not torch.cuda.is_available():
+        return 0
+    count = torch.cuda.device_count()
+    return 0 if _too_old_gpus(count) else count
 
-    `device` and `backend` override the automatic choice; impossible requests raise UsageError.
+
+def _too_old_gpus(count: int) -> list[str]:
+    """The visible GPUs whose compute capability is below the lowest this build was compiled for."""
+    low = _lowest_arch()
+    return [f"{torch.cuda.get_device_name(i)} ({'.'.join(map(str, torch.cuda.get_device_capability(i)))})"
+            for i in range(count) if low and torch.cuda.get_device_capability(i) < low]
+
+
+def _lowest_arch() -> tuple[int, int] | None:
+    """The oldest GPU generation this torch build has kernels for, as (major, minor): (7, 5) for sm_75."""
+    archs = [int(a[3:]) for a in torch.cuda.get_arch_list() if a.startswith("sm_") and a[3:].isdigit()]
+    return (min(archs) // 10, min(archs) % 10) if archs else None
+
+
+def choose_device(device: str = "auto", backend: str | None = "auto", *, local_rank: int = 0,
+                  procs_per_node: int = 1) -> tuple[torch.device, str | None]:
+    """This process's device and the process group backend, from --device and --backend.
+
+    auto: CUDA + NCCL when the node has a GPU for every process (local rank r uses cuda:r), otherwise
+    CPU + Gloo. `--device cuda --backend gloo` with fewer GPUs than processes lets processes share
+    GPUs (local rank r uses cuda:r % GPUs): every CUDA code path runs, but not NCCL, which refuses
+    two processes on one GPU. backend=None is for single-process scripts. A request that cannot
+    work raises UsageError with what to do instead.
     """
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if nproc_per_node < 1:
-        raise UsageError(f"the number of processes per node must be at least 1, got {nproc_per_node}")
+    gpus = gpu_count()
+    if procs_per_node < 1:
+        raise UsageError(f"the number of processes per node must be at least 1, got {procs_per_node}")
     if device == "cuda" and gpus == 0:
-        raise UsageError("--device cuda: no CUDA GPU is visible (torch.cuda.is_available() is False); use --device cpu")
+        raise UsageError("--device cuda: no usable CUDA GPU is visible here (see the NOTE above); use --device cpu")
     if backend == "nccl":
         if gpus == 0:
             raise UsageError("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo on a CPU machine")
         if device == "cpu":
             raise UsageError("--backend nccl works on CUDA tensors only; drop --device cpu or use --backend gloo")
-        if nproc_per_node > gpus:
-            raise UsageError(
-                f"NCCL needs one GPU per process: {nproc_per_node} processes per node but {gpus} GPU(s) here; "
-                f"start at most {gpus} per node or use --backend gloo"
-            )
+    wants_nccl = backend == "nccl" or (backend == "auto" and device == "cuda")
+    if wants_nccl and procs_per_node > gpus:
+        raise UsageError(f"NCCL needs one GPU per process: {procs_per_node} processes per node but {gpus} GPU(s) "
+                         f"here. Start at most {gpus} per node (NPROC={gpus}), or add --backend gloo to let "
+                         f"processes share GPUs")
     if device == "auto":
-        use_cuda = gpus >= nproc_per_node or (backend == "nccl" and gpus > 0)
-        device = "cuda" if use_cuda else "cpu"
+        device = "cuda" if 0 < procs_per_node <= gpus else "cpu"
     if backend == "auto":
-        backend = "nccl" if device == "cuda" and gpus >= nproc_per_node else "gloo"
-    return device, backend
+        backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cpu":
+        return torch.device("cpu"), backend
+    return torch.device("cuda", local_rank % gpus), backend
+
+
+# the oldest Linux driver each CUDA major version runs on (NVIDIA's minor-version compatibility table)
+_DRIVER_FLOOR = {"13": "580", "12": "525", "11": "450"}
+
+
+def runtime_report(device: torch.device, backend: str | None = None, procs_per_node: int = 1,
+                   gpus_per_process: int = 1) -> str:
+    """What a run is about to use, for the first lines a script prints: torch, CUDA, the GPUs seen, this
+    run's device and backend, and a NOTE wherever the run is not what a GPU user would expect."""
+    gpus = gpu_count()
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    if gpus:
+        names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
+        seen = f"{gpus} GPU(s): {', '.join(names)}"
+    else:
+        seen = "no CUDA GPU visible"
+    run = f"{procs_per_node} process(es) per node on {device.type}" + (f" with {backend}" if backend else "")
+    lines = [f"torch {torch.__version__} ({build}), {seen}; this run: {run}"]
+    need = procs_per_node * gpus_per_process
+    if gpus and device.type == "cpu":
+        most = gpus // gpus_per_process
+        why = (f"{procs_per_node} process(es) per node need {need} GPUs. Start at most {most} per node "
+               f"(NPROC={most}), or use --device cuda --backend gloo to let processes share GPUs"
+               if need > gpus else "--device cpu was asked for")
+        lines.append(f"NOTE: THIS RUN USES THE CPU although {gpus} GPU(s) are visible: {why}.")
+    elif device.type == "cuda" and need > gpus:
+        lines.append(f"NOTE: {procs_per_node} processes share {gpus} GPU(s) through Gloo (local rank r uses "
+                     f"cuda:r % {gpus}): every CUDA code path runs, NCCL does not. For speed, one GPU per process.")
+    elif not gpus and torch.cuda.is_available():
+        lines.append(f"NOTE: THIS RUN USES THE CPU: this torch build has GPU kernels for compute capability "
+                     f"{'.'.join(map(str, _lowest_arch()))} and newer, and these GPUs are older: "
+                     f"{', '.join(_too_old_gpus(torch.cuda.device_count()))}. Install a torch build for them "
+                     f"(pytorch.org), or keep the CPU.")
+    elif not gpus and torch.version.cuda and shutil.which("nvidia-smi"):
+        floor = _DRIVER_FLOOR.get(torch.version.cuda.split(".")[0], "recent enough")
+        lines.append(f"NOTE: nvidia-smi is installed but torch sees no usable GPU, so this run uses the CPU. This "
+                     f"torch is built for CUDA {torch.version.cuda}: it needs an NVIDIA driver {floor} or newer "
+                     f"(`nvidia-smi` shows yours) and a GPU of compute capability "
+                     f"{'.'.join(map(str, _lowest_arch() or ('?',)))} or newer.")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- command line
@@ -176,21 +249,43 @@ MNIST_DATASETS = ("auto", "mnist", "mnist-standin")
 CIFAR_DATASETS = ("auto", "cifar10", "cifar10-standin")
 
 
+def _number(kind, low: float, low_ok: bool, what: str):
+    """An argparse type: a finite number of `kind` above `low` (or equal to it when low_ok)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not low_ok):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+positive_int = _number(int, 1, True, "a whole number of at least 1")
+count_or_zero = _number(int, 0, True, "0 (off) or a positive whole number")
+positive_float = _number(float, 0.0, False, "a positive number")
+
+
 def add_common_args(parser: argparse.ArgumentParser, *, family: str = "mnist", epochs: int = 2,
                     batch_size: int = 64, lr: float = 0.01, distributed: bool = True) -> None:
-    """The flags every training script shares (see the course README for their meaning)."""
+    """The flags every training script shares (see the course README for their meaning).
+
+    Their types check the numbers, so that `--lr nan` or `--epochs -1` end in one line of argparse.
+    """
     choices = MNIST_DATASETS if family == "mnist" else CIFAR_DATASETS
-    parser.add_argument("--epochs", type=int, default=epochs, help="passes over the training set (default %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=batch_size,
+    parser.add_argument("--epochs", type=positive_int, default=epochs,
+                        help="passes over the training set (default %(default)s)")
+    parser.add_argument("--batch-size", type=positive_int, default=batch_size,
                         help="samples per step per process (default %(default)s)")
-    parser.add_argument("--lr", type=float, default=lr, help="learning rate (default %(default)s)")
+    parser.add_argument("--lr", type=positive_float, default=lr, help="learning rate (default %(default)s)")
     parser.add_argument("--dataset", default="auto", choices=choices,
                         help="real data, the offline stand-in, or auto: real when present or downloadable")
     parser.add_argument("--data-dir", default="data", help="where data sets live (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
-    parser.add_argument("--max-steps", type=int, default=0,
+    parser.add_argument("--max-steps", type=count_or_zero, default=0,
                         help="stop each epoch after this many steps; 0 = whole epoch (for smoke runs)")
-    parser.add_argument("--log-every", type=int, default=0,
+    parser.add_argument("--log-every", type=count_or_zero, default=0,
                         help="print the training loss every N steps (rank 0); 0 = only once per epoch")
     parser.add_argument("--checkpoint-dir", default="",
                         help="write a checkpoint here after every epoch (default: none)")
@@ -199,34 +294,27 @@ def add_common_args(parser: argparse.ArgumentParser, *, family: str = "mnist", e
     if distributed:
         parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                             help="auto = NCCL on CUDA, Gloo on CPU")
-        parser.add_argument("--timeout", type=float, default=60.0,
+        parser.add_argument("--timeout", type=positive_float, default=60.0,
                             help="seconds any collective may wait before the job fails (default %(default)s)")
 
 
-def check_args(parser: argparse.ArgumentParser, args, nproc_per_node: int = 1):
-    """Validate the shared flags; bad input ends with one clear line (parser.error), not a traceback.
+def check_args(parser: argparse.ArgumentParser, args, *, local_rank: int = 0,
+               procs_per_node: int = 1) -> tuple[torch.device, str | None]:
+    """Check the shared flags, then choose this process's device and backend and return them.
 
-    Fills in args.device and, for distributed scripts, args.backend with the concrete choice.
+    Any mistake ends the program with one line (parser.error) before anything starts.
+    See choose_device for the choice; single-process scripts get backend None.
     """
-    for name in ("epochs", "batch_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_steps < 0 or args.log_every < 0:
-        parser.error("--max-steps and --log-every must be 0 (off) or positive")
-    if getattr(args, "timeout", 1) <= 0:
-        parser.error("--timeout must be positive (seconds)")
     data_dir = Path(args.data_dir)
     if data_dir.exists() and not data_dir.is_dir():
         parser.error(f"--data-dir {data_dir} is not a directory")
     if data_dir.exists() and not os.access(data_dir, os.R_OK | os.X_OK):
         parser.error(f"--data-dir {data_dir} is not readable")
     try:
-        args.device, backend = choose_device_backend(args.device, getattr(args, "backend", "auto"), nproc_per_node)
+        return choose_device(args.device, getattr(args, "backend", None), local_rank=local_rank,
+                             procs_per_node=procs_per_node)
     except UsageError as err:
         parser.error(str(err))
-    if hasattr(args, "backend"):
-        args.backend = backend
-    return args
 
 
 # --------------------------------------------------------------------------- printing
@@ -322,18 +410,33 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def rng_state() -> dict:
-    """Python and torch RNG states, in a form that torch.load(weights_only=True) accepts."""
+    """Python's and torch's RNG states, and this process's current GPU's, in a form that
+    torch.load(weights_only=True) accepts. Only the current GPU: the file must load on a machine with fewer."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore what rng_state() saved, however the checkpoint was loaded.
+
+    torch.set_rng_state accepts only a CPU ByteTensor ("RNG state must be a torch.ByteTensor"); a
+    checkpoint loaded with map_location=<a GPU> has put the saved states on that GPU: .cpu() brings them back.
+    """
     random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"].cpu())  # the current GPU's
+
+
+def load_checkpoint(path) -> dict:
+    """A checkpoint written by atomic_save, loaded onto the CPU with weights_only=True.
+
+    map_location="cpu" keeps RNG states where torch wants them; load_state_dict then copies the
+    weights to wherever the model is, and an optimizer moves its state to its parameters' device.
+    """
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 # --------------------------------------------------------------------------- data: stand-ins

@@ -11,7 +11,6 @@ own thread, and the halves are glued back together on the output device.
 
 import argparse
 
-import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -28,7 +27,8 @@ class ShapeModel(nn.Module):
     def forward(self, x):
         out = self.fc(x)
         where = f"cuda:{x.device.index}" if x.is_cuda else "cpu"
-        print(f"    In Model on {where}: input size {list(x.shape)} output size {list(out.shape)}", flush=True)
+        # one write per line: DataParallel runs the replicas in threads, and print() could interleave them
+        common.say(f"    In Model on {where}: input size {list(x.shape)} output size {list(out.shape)}")
         return out
 
 
@@ -39,14 +39,14 @@ def main():
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=30)
     args = parser.parse_args()
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = common.gpu_count()
     if args.gpus is not None and args.gpus < 1:
         parser.error("--gpus must be at least 1")
+    n = args.gpus or max(visible, 2)  # by default all GPUs, and at least the 2 that make a split worth seeing
 
     loader = DataLoader(common.RandomDataset(args.samples, 5), batch_size=args.batch_size, shuffle=True)
     model = ShapeModel(5, 2)
-    if visible and (args.gpus or visible) <= visible:
-        n = args.gpus or visible
+    if n <= visible:
         print(f"Let's use {n} GPU(s): nn.DataParallel(device_ids={list(range(n))})", flush=True)
         model = nn.DataParallel(model.to("cuda:0"), device_ids=list(range(n)))
         for batch in loader:
@@ -54,7 +54,6 @@ def main():
             print(f"Outside: input size {list(batch.shape)} output size {list(out.shape)}", flush=True)
         return
 
-    n = args.gpus or 2
     why = "no CUDA GPU is visible" if not visible else f"only {visible} GPU(s) are visible"
     print(f"{why}, so nothing can be split here. nn.DataParallel would cut each batch into {n} "
           f"piece(s) along dim 0, like torch.chunk, one per GPU:", flush=True)

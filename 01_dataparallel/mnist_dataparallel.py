@@ -22,8 +22,7 @@ from torch import nn
 import common
 
 
-def train(args):
-    device = torch.device(args.device)
+def train(args, device):
     common.seed_everything(args.seed)
     dataset = common.prepare_data(args.dataset, args.data_dir)
     train_set = common.load_dataset(dataset, args.data_dir, train=True)
@@ -88,17 +87,23 @@ def main():
                         help="device_ids: the GPUs to use, e.g. 0,1 (default: all visible)")
     parser.add_argument("--output-device", type=int, default=None,
                         help="the GPU that gathers the outputs and computes the loss (default: the first of --gpus)")
-    args = common.check_args(parser, parser.parse_args())
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if (args.gpus or args.output_device is not None) and args.device != "cuda":
+    args = parser.parse_args()
+    device, _ = common.check_args(parser, args)
+    gpus = common.gpu_count()
+    if (args.gpus or args.output_device is not None) and device.type != "cuda":
         parser.error("--gpus and --output-device need CUDA GPUs; on the CPU, DataParallel has nothing to split")
     if args.device == "cpu" and gpus:
         parser.error("--device cpu: DataParallel only splits work over GPUs; for the CPU use mnist_single.py")
     for gpu in (args.gpus or []) + ([args.output_device] if args.output_device is not None else []):
         if not 0 <= gpu < gpus:
             parser.error(f"GPU {gpu} does not exist: this machine has {gpus} (ids 0..{gpus - 1})")
+    if args.output_device is not None and len(args.gpus or range(gpus)) == 1 and \
+            args.output_device != (args.gpus or [0])[0]:
+        parser.error("with one GPU, DataParallel just calls the model (nothing to gather): --output-device "
+                     "must be that GPU")
+    print(common.runtime_report(device), flush=True)
     try:
-        train(args)
+        train(args, device)
     except common.UsageError as err:
         parser.exit(2, f"error: {err}\n")
 

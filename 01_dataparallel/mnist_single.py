@@ -19,8 +19,7 @@ import torch.nn.functional as F
 import common
 
 
-def train(args):
-    device = torch.device(args.device)
+def train(args, device):
     common.seed_everything(args.seed)
     dataset = common.prepare_data(args.dataset, args.data_dir)
     train_set = common.load_dataset(dataset, args.data_dir, train=True)
@@ -66,9 +65,11 @@ def train(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser, distributed=False)
-    args = common.check_args(parser, parser.parse_args())
+    args = parser.parse_args()
+    device, _ = common.check_args(parser, args)
+    print(common.runtime_report(device), flush=True)
     try:
-        train(args)
+        train(args, device)
     except common.UsageError as err:
         parser.exit(2, f"error: {err}\n")
 

@@ -28,12 +28,19 @@ import common
 
 def run_demo(rank, world_size, args):
     """The life of one process: join the group, run the demo, leave the group. mp.spawn calls this."""
-    common.share_cpu_threads(world_size)
     if args.demo == "fail" and rank == 1:  # e.g. a missing file: rank 1 dies while rank 0 waits for it
         raise RuntimeError("rank 1 fails on purpose before joining the process group")
+    if args.demo == "model-parallel":  # two GPUs per process: this one's first is 2 * rank
+        device = torch.device("cuda", 2 * rank) if args.device == "cuda" else torch.device("cpu")
+    else:
+        device, _ = common.choose_device(args.device, args.backend, local_rank=rank, procs_per_node=world_size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this process's GPU, before anything touches CUDA
+    else:
+        common.share_cpu_threads(world_size)
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=args.timeout))
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+                            world_size=world_size, timeout=timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
     try:
         DEMOS[args.demo](rank, world_size, device, args)
         dist.barrier()  # every rank finishes its work before any tears the group down
@@ -54,9 +61,9 @@ def one_step(model, device, out_device=None):
     optimizer.step()
 
 
-def same_on_all_ranks(model) -> bool:
-    """True when every rank holds exactly rank 0's parameters."""
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+def same_on_all_ranks(model, device) -> bool:
+    """True when every rank holds exactly rank 0's parameters (compared on `device`, the one the group uses)."""
+    flat = torch.cat([p.detach().flatten().to(device) for p in model.parameters()])
     reference = flat.clone()
     dist.broadcast(reference, src=0)
     verdict = torch.tensor([float(torch.equal(flat, reference))], device=flat.device)
@@ -66,25 +73,25 @@ def same_on_all_ranks(model) -> bool:
 
 def demo_basic(rank, world_size, device, args):
     common.say(f"rank {rank}/{world_size}: running the basic DDP example on {device}")
-    model = DDP(common.ToyModel().to(device), device_ids=[rank] if device.type == "cuda" else None)
+    model = DDP(common.ToyModel().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     one_step(model, device)  # every rank feeds different random data...
-    same = same_on_all_ranks(model)  # ...and still ends with the same weights
+    same = same_on_all_ranks(model, device)  # ...and still ends with the same weights
     common.print0(rank, f"after one step on different data, all {world_size} ranks hold the same weights: {same}")
 
 
 def demo_checkpoint(rank, world_size, device, args):
-    model = DDP(common.ToyModel().to(device), device_ids=[rank] if device.type == "cuda" else None)
+    model = DDP(common.ToyModel().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     path = os.path.join(args.workdir, "toy.pt")
     if rank == 0:  # the weights are the same everywhere, so one process saves them
         common.atomic_save(model.module.state_dict(), path)
         common.say(f"rank 0 saved {path}")
     dist.barrier()  # nobody reads before rank 0 has finished writing
     # the file says "cuda:0" (where rank 0 saved it); map it to this rank's device
-    map_location = {"cuda:0": f"cuda:{rank}"} if device.type == "cuda" else "cpu"
+    map_location = {"cuda:0": str(device)} if device.type == "cuda" else "cpu"
     model.module.load_state_dict(torch.load(path, map_location=map_location, weights_only=True))
     common.say(f"rank {rank} loaded the checkpoint (weights_only=True, map_location={map_location})")
     one_step(model, device)
-    same = same_on_all_ranks(model)
+    same = same_on_all_ranks(model, device)
     dist.barrier()  # every rank has read the file before it is removed
     if rank == 0:
         os.remove(path)
@@ -92,16 +99,13 @@ def demo_checkpoint(rank, world_size, device, args):
 
 
 def demo_model_parallel(rank, world_size, device, args):
-    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-    if gpus >= 2 * world_size:
-        dev0, dev1 = torch.device("cuda", 2 * rank), torch.device("cuda", 2 * rank + 1)
-    else:
-        dev0 = dev1 = torch.device("cpu")
-        common.print0(rank, f"model parallel wants 2 GPUs per process ({2 * world_size} in all, "
-                            f"{gpus} here): both halves run on the CPU, the code path is the same")
+    dev0, dev1 = (device, torch.device("cuda", device.index + 1)) if device.type == "cuda" else (device, device)
+    if device.type == "cpu":
+        common.print0(rank, f"model parallel wants 2 GPUs per process ({2 * world_size} in all): here both halves "
+                            f"run on the CPU; the code path is the same")
     model = DDP(common.ToyMpModel(dev0, dev1))  # no device_ids for a model that spans several devices
     one_step(model, dev0, out_device=dev1)  # outputs come out on dev1
-    same = same_on_all_ranks(model)
+    same = same_on_all_ranks(model, dev0)
     common.say(f"rank {rank}: net1 on {dev0}, net2 on {dev1}")
     common.print0(rank, f"model parallel inside, data parallel across: ranks agree: {same}")
 
@@ -112,6 +116,19 @@ def demo_fail(rank, world_size, device, args):
 
 DEMOS = {"basic": demo_basic, "checkpoint": demo_checkpoint, "model-parallel": demo_model_parallel,
          "fail": demo_fail}
+
+
+def model_parallel_placement(device: str, backend: str, nproc: int) -> tuple[str, str]:
+    """Model parallelism inside each process wants 2 GPUs per process: CUDA + NCCL with 2 x nproc GPUs,
+    otherwise both halves on the CPU with Gloo (the same code path)."""
+    gpus = common.gpu_count()
+    if gpus >= 2 * nproc and device != "cpu":
+        return "cuda", "gloo" if backend == "gloo" else "nccl"
+    if device == "cuda" or backend == "nccl":
+        fewer = f"use --nproc {gpus // 2}, or " if gpus >= 4 else ""
+        raise common.UsageError(f"model parallel needs 2 GPUs per process: {2 * nproc} for --nproc {nproc}, "
+                                f"{gpus} here; {fewer}drop --device/--backend to run both halves on the CPU")
+    return "cpu", "gloo"  # runtime_report says why, in a NOTE
 
 
 def start_with_process(fn, world_size, args):
@@ -140,9 +157,15 @@ def main():
     if args.nproc < 2:
         parser.error("--nproc must be at least 2: these demos compare ranks")
     try:
-        args.device, args.backend = common.choose_device_backend(args.device, args.backend, args.nproc)
+        if args.demo == "model-parallel":
+            args.device, args.backend = model_parallel_placement(args.device, args.backend, args.nproc)
+        else:
+            device, args.backend = common.choose_device(args.device, args.backend, procs_per_node=args.nproc)
+            args.device = device.type
     except common.UsageError as err:
         parser.error(str(err))
+    gpus_each = 2 if args.demo == "model-parallel" else 1
+    common.say(common.runtime_report(torch.device(args.device), args.backend, args.nproc, gpus_each))
     args.port = common.free_port()
 
     with tempfile.TemporaryDirectory() as workdir:

@@ -6,6 +6,8 @@ steps under DDP. Rank 0 then repeats the training alone on the whole batch and c
     python 02_ddp_spawn/ddp_equivalence.py --nproc 2
     python 02_ddp_spawn/ddp_equivalence.py --nproc 3 --steps 5 --per-rank 32
 
+It runs on the CPU with Gloo on every machine, GPUs or not: the lesson is arithmetic, not devices.
+
 The BatchNorm caveat is checked too: BatchNorm normalises with the statistics of the batch it
 sees, which under DDP is each rank's slice. So the DDP run does NOT equal one process on the whole
 batch, but it does equal one process that runs BatchNorm on each slice separately and averages

@@ -32,13 +32,14 @@ import common
 
 def main_worker(rank, world_size, args, port):
     """The life of one process: join the group, train, leave the group. mp.spawn passes the rank first."""
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    device, backend = common.choose_device(args.device, args.backend, local_rank=rank, procs_per_node=world_size)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # this process's GPU: every later .cuda() and NCCL call uses it
     else:
         common.share_cpu_threads(world_size)  # N processes on one machine share its cores
-    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)  # NCCL: bind this GPU now
     try:
         train(rank, world_size, args, device)
         dist.barrier()  # every rank finishes its work before any tears the group down
@@ -61,12 +62,12 @@ def train(rank, world_size, args, device):
 
     model = common.ConvNet().to(device)
     # DDP broadcasts rank 0's weights to all ranks, then averages gradients during backward()
-    model = DDP(model, device_ids=[rank] if device.type == "cuda" else None)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     path = Path(args.checkpoint_dir) / "mnist_spawn.pt" if args.checkpoint_dir else None
     start_epoch = 0
     if args.resume and path and path.exists():
-        state = torch.load(path, map_location=device, weights_only=True)
+        state = common.load_checkpoint(path)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         common.set_rng_state(state["rng"])
@@ -74,7 +75,7 @@ def train(rank, world_size, args, device):
         common.print0(rank, f"resumed from {path} after epoch {start_epoch}")
 
     common.print0(rank, f"training ConvNet on {dataset} ({len(train_set)} train / {len(test_set)} test "
-                        f"images) with {world_size} processes ({args.backend}, {device.type}), "
+                        f"images) with {world_size} processes ({dist.get_backend()}, {device.type}), "
                         f"batch {args.batch_size} per process, {args.epochs} epoch(s)")
     start = time.time()
     for epoch in range(start_epoch, args.epochs):
@@ -106,7 +107,7 @@ def train(rank, world_size, args, device):
                             f"test_loss={loss_sum / samples:.4f} test_acc={correct / samples:.4f}")
         if rank == 0 and path:  # the weights are identical on every rank: one writer is enough
             common.atomic_save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                                "epoch": epoch + 1, "rng": common.rng_state()}, path)
+                                "epoch": epoch + 1, "rng": common.rng_state(), "device": device.type}, path)
 
     if start_epoch >= args.epochs:
         common.print0(rank, f"nothing to do: the checkpoint is already at epoch {start_epoch}")
@@ -119,10 +120,11 @@ def train(rank, world_size, args, device):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser)
-    parser.add_argument("--nproc", type=int, default=2, help="processes to start (default %(default)s)")
+    parser.add_argument("--nproc", type=common.positive_int, default=2, help="processes to start (default %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
     args = parser.parse_args()
-    common.check_args(parser, args, nproc_per_node=args.nproc)
+    device, backend = common.check_args(parser, args, procs_per_node=args.nproc)  # checked once, here
+    print(common.runtime_report(device, backend, args.nproc), flush=True)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
     try:

@@ -44,12 +44,11 @@ def train(rank, device):
 
 if __name__ == "__main__":
     local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun, like RANK and WORLD_SIZE
-    gpus_per_node = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    use_cuda = gpus_per_node >= int(os.environ["LOCAL_WORLD_SIZE"])
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    # CUDA + NCCL when the node has a GPU for every worker, else CPU + Gloo
+    device, backend = common.choose_device(local_rank=local_rank, procs_per_node=int(os.environ["LOCAL_WORLD_SIZE"]))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group(backend, timeout=timedelta(seconds=60), device_id=device if backend == "nccl" else None)
     common.say(f"start running the basic DDP example on rank {dist.get_rank()} ({device})")
     try:
         train(dist.get_rank(), device)

@@ -28,18 +28,19 @@ def main():
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
-    local_rank = int(os.environ["LOCAL_RANK"])
+    local_rank, procs_per_node = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     try:
-        device, backend = common.choose_device_backend(args.device, args.backend,
-                                                       int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        device, backend = common.choose_device(args.device, args.backend, local_rank=local_rank,
+                                               procs_per_node=procs_per_node)
     except common.UsageError as err:
         parser.error(str(err))
-    device = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
+    common.print0(int(os.environ["RANK"]), common.runtime_report(device, backend, procs_per_node))
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
     common.say(f"[pid {os.getpid()}] initialising the process group ({backend}, timeout {args.timeout:g} s)")
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))  # env:// from torchrun
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),  # env:// from torchrun
+                            device_id=device if backend == "nccl" else None)  # NCCL: bind this GPU now
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         common.say(f"[pid {os.getpid()}] rank={rank} local_rank={local_rank} world_size={world_size} "

@@ -5,6 +5,8 @@
 #   04_multinode_tcp/launch_local.sh tcp  NNODES NPROC [arguments for mnist_tcp.py]
 #   04_multinode_tcp/launch_local.sh file NNODES NPROC [arguments for mnist_tcp.py]
 #
+# On a GPU machine each simulated node gets its own GPUs (CUDA_VISIBLE_DEVICES, numbered from 0 inside the node,
+# as on a real one); with fewer GPUs than processes all of them run on the CPU, and a NOTE says so.
 # If any process fails, the others are stopped at once. PYTHON picks the interpreter (default: python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +28,7 @@ else
   init="file://$workdir/ddp-init"       # must be new for every job: a file left from an old job can hang
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # all the "nodes" share this machine's cores
+mapfile -t node_gpus < <("$py" 04_multinode_tcp/gpus_per_node.py "$nnodes" "$nproc")
 
 pids=()
 cleanup() {
@@ -35,11 +38,17 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 for ((node = 0; node < nnodes; node++)); do
+  gpus=${node_gpus[$node]}
   for ((local = 0; local < nproc; local++)); do
     cmd=("$py" 04_multinode_tcp/mnist_tcp.py --init-method "$init" --world-size "$world"
-         --nproc-per-node "$nproc" --node-rank "$node" --local-rank "$local" "$@")
-    echo "node $node, process $local: ${cmd[*]}"
-    "${cmd[@]}" &
+         --nproc-per-node "$nproc" --node-rank "$node" --local-rank "$local")
+    if [[ $gpus == cpu ]]; then
+      cmd+=(--device cpu)                                  # too few GPUs for one per process
+    elif [[ -n $gpus ]]; then
+      cmd=(env "CUDA_VISIBLE_DEVICES=$gpus" "${cmd[@]}")   # this node's GPUs, numbered from 0 inside it
+    fi
+    echo "node $node, process $local: ${cmd[*]} $*"
+    "${cmd[@]}" "$@" &
     pids+=($!)
   done
 done

@@ -8,6 +8,9 @@
 #   04_multinode_tcp/launch_torchrun_nodes.sh static|c10d NNODES NPROC [arguments for mnist_torchrun.py]
 #   JOIN_TIMEOUT=30 (seconds a node waits for the others; torchrun's default is 600)
 #   ONLY_NODES="0"  (start only these nodes: shows what happens when one never arrives)
+#
+# On a GPU machine each simulated node gets its own GPUs (CUDA_VISIBLE_DEVICES, numbered from 0 inside the node,
+# as on a real one); with fewer GPUs than processes all of them run on the CPU, and a NOTE says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +24,7 @@ py=${PYTHON:-python}
 port=$("$py" -c 'import common; print(common.free_port())')
 join_timeout=${JOIN_TIMEOUT:-30}
 only=${ONLY_NODES:-$(seq -s ' ' 0 $((nnodes - 1)))}
+mapfile -t node_gpus < <("$py" 04_multinode_tcp/gpus_per_node.py "$nnodes" "$nproc")
 
 pids=()
 cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; }
@@ -34,10 +38,15 @@ for node in $only; do
     rdzv=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --rdzv-id "job-$port"
           --rdzv-conf "join_timeout=$join_timeout")
   fi
-  cmd=("$py" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc"
-       03_ddp_torchrun/mnist_torchrun.py "$@")
-  echo "node $node: ${cmd[*]}"
-  "${cmd[@]}" &
+  cmd=("$py" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" 03_ddp_torchrun/mnist_torchrun.py)
+  gpus=${node_gpus[$node]}
+  if [[ $gpus == cpu ]]; then
+    cmd+=(--device cpu)                                  # too few GPUs for one per process
+  elif [[ -n $gpus ]]; then
+    cmd=(env "CUDA_VISIBLE_DEVICES=$gpus" "${cmd[@]}")   # this node's GPUs, numbered from 0 inside it
+  fi
+  echo "node $node: ${cmd[*]} $*"
+  "${cmd[@]}" "$@" &
   pids+=($!)
 done
 

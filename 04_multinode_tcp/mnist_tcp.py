@@ -54,7 +54,7 @@ def train(rank, world_size, args, device):
     path = Path(args.checkpoint_dir) / "mnist_tcp.pt" if args.checkpoint_dir else None
     start_epoch = 0
     if path and path.exists():  # resume automatically: a restarted job continues where it stopped
-        state = torch.load(path, map_location=device, weights_only=True)
+        state = common.load_checkpoint(path)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         common.set_rng_state(state["rng"])
@@ -62,7 +62,7 @@ def train(rank, world_size, args, device):
         common.print0(rank, f"resumed from {path} after epoch {start_epoch}")
 
     common.print0(rank, f"training ConvNet on {dataset} ({len(train_set)} train / {len(test_set)} test "
-                        f"images) with {world_size} processes ({args.backend}, {device.type}), "
+                        f"images) with {world_size} processes ({dist.get_backend()}, {device.type}), "
                         f"batch {args.batch_size} per process, {args.epochs} epoch(s)")
     start = time.time()
     for epoch in range(start_epoch, args.epochs):
@@ -94,7 +94,7 @@ def train(rank, world_size, args, device):
                             f"test_loss={loss_sum / samples:.4f} test_acc={correct / samples:.4f}")
         if rank == 0 and path:  # the weights are identical on every rank: one writer is enough
             common.atomic_save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                                "epoch": epoch + 1, "rng": common.rng_state()}, path)
+                                "epoch": epoch + 1, "rng": common.rng_state(), "device": device.type}, path)
 
     if start_epoch >= args.epochs:
         common.print0(rank, f"nothing to do: the checkpoint is already at epoch {start_epoch}")
@@ -139,12 +139,13 @@ def global_rank(parser, args):
     return rank, local_rank
 
 
-def join_group(args, rank):
+def join_group(args, backend, device, rank):
     """init_process_group with the two usual failures turned into one line each."""
     try:
         # rank 0 listens at the tcp:// address (or creates the file); the others connect (or open it)
-        dist.init_process_group(args.backend, init_method=args.init_method, rank=rank,
-                                world_size=args.world_size, timeout=timedelta(seconds=args.timeout))
+        dist.init_process_group(backend, init_method=args.init_method, rank=rank, world_size=args.world_size,
+                                timeout=timedelta(seconds=args.timeout),
+                                device_id=device if backend == "nccl" else None)  # NCCL: bind this GPU now
     except dist.DistNetworkError as err:
         sys.exit(f"error: rank {rank} cannot use {args.init_method}: {str(err).splitlines()[0].rstrip('.')}. "
                  f"Rank 0: is the port taken by another program? Others: is rank 0 running and reachable?")
@@ -168,18 +169,22 @@ def main():
     if args.world_size < 1:
         parser.error("--world-size must be at least 1")
     rank, local_rank = global_rank(parser, args)
-    common.check_args(parser, args, nproc_per_node=args.nproc_per_node)
-    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    device, backend = common.check_args(parser, args, local_rank=local_rank, procs_per_node=args.nproc_per_node)
+    common.print0(rank, common.runtime_report(device, backend, args.nproc_per_node))
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # before init: this process's GPU for every CUDA and NCCL call
     else:
         common.share_cpu_threads(args.nproc_per_node)
 
-    join_group(args, rank)
+    join_group(args, backend, device, rank)
     try:
-        if local_rank == 0:  # one process per machine prepares the data: file systems may not be shared
+        # One process PER NODE prepares the data: local_rank 0 exists once on every node (rank 0 only once
+        # in the job), and another node may not share this file system. A first download can take longer
+        # than --timeout, so the others wait at a barrier of a Gloo group with a long timeout of its own.
+        data_ready = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
+        if local_rank == 0:
             args.dataset = common.prepare_data(args.dataset, args.data_dir)
-        dist.barrier()
+        dist.barrier(group=data_ready)
         args.dataset = common.resolve_dataset(args.dataset, args.data_dir)
         common.say(f"rank {rank} (node {rank // args.nproc_per_node}, local rank {local_rank}) of "
                    f"{args.world_size} joined via {args.init_method.split(':')[0]} on {socket.gethostname()}")

@@ -42,14 +42,18 @@ for i in 0 1; do
 done
 
 world=$((2 * nproc))
+mapfile -t host_gpus < <("$py" 04_multinode_tcp/gpus_per_node.py 2 "$nproc")  # each "host" its own GPUs
 for i in 0 1; do
   for ((local = 0; local < nproc; local++)); do
-    # GLOO_SOCKET_IFNAME names the interface Gloo must use; without it Gloo takes its address from the
-    # host name, which here resolves to 127.0.0.1: each host would send the other to its own loopback
-    ifname=(); [[ -z ${BREAK:-} ]] && ifname=(GLOO_SOCKET_IFNAME="${dev[$i]}")
-    cmd=(env "${ifname[@]}" OMP_NUM_THREADS=1 "$py" 04_multinode_tcp/mnist_tcp.py
+    # GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME, for NCCL) name the interface to use; without it Gloo takes
+    # its address from the host name, which here resolves to 127.0.0.1: each host would send the other to
+    # its own loopback
+    ifname=(); [[ -z ${BREAK:-} ]] && ifname=(GLOO_SOCKET_IFNAME="${dev[$i]}" NCCL_SOCKET_IFNAME="${dev[$i]}")
+    gpus=${host_gpus[$i]}; cuda=(); device=()
+    if [[ $gpus == cpu ]]; then device=(--device cpu); elif [[ -n $gpus ]]; then cuda=(CUDA_VISIBLE_DEVICES="$gpus"); fi
+    cmd=(env "${ifname[@]}" "${cuda[@]}" OMP_NUM_THREADS=1 "$py" 04_multinode_tcp/mnist_tcp.py
          --init-method "tcp://${addr[0]}:29500" --world-size "$world" --nproc-per-node "$nproc"
-         --node-rank "$i" --local-rank "$local" "$@")
+         --node-rank "$i" --local-rank "$local" "${device[@]}" "$@")
     echo "host $i: ${cmd[*]}"
     ip netns exec "${ns[$i]}" "${cmd[@]}" &
     pids+=($!)

@@ -20,9 +20,11 @@ import torch.distributed as dist
 import common
 
 DTYPES = (torch.float32, torch.float16, torch.int64)
-# what the commonly copied static table says for Gloo on CPU (✓ / ✘)
-STATIC_GLOO_CPU = {"send/recv": "✓", "broadcast": "✓", "all_reduce": "✓", "reduce": "✓", "all_gather": "✓",
-                   "gather": "✓", "scatter": "✓", "reduce_scatter": "✘", "all_to_all": "✘", "barrier": "✓"}
+# what the commonly copied static table says for Gloo on CPU and NCCL on GPU (✓ / ✘)
+_OPS = ("send/recv", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
+        "all_to_all", "barrier")
+STATIC = {("gloo", "cpu"): dict(zip(_OPS, "✓✓✓✓✓✓✓✘✘✓", strict=True)),
+          ("nccl", "cuda"): dict(zip(_OPS, "✓✓✓✓✓✓✓✓✓✓", strict=True))}
 
 
 def ops(rank, ws, dtype, device, group):
@@ -99,15 +101,17 @@ def main():
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
-    local_rank = int(os.environ["LOCAL_RANK"])
-    try:
-        device, backend = common.choose_device_backend("auto", args.backend, int(os.environ["LOCAL_WORLD_SIZE"]))
+    local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process): the two columns of the usual table
+        device, backend = common.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
+                                               local_rank=local_rank, procs_per_node=local_ws)
     except common.UsageError as err:
         parser.error(str(err))
-    device = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
+    common.print0(int(os.environ["RANK"]), common.runtime_report(device, backend, local_ws))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
     try:
         rank, ws = dist.get_rank(), dist.get_world_size()
         names = list(ops(rank, ws, torch.float32, device, None))
@@ -130,7 +134,7 @@ def main():
                      f"static table ({head}) |",
                      "|---|" + ":---:|" * (len(DTYPES) + 1)]
             for name in names:
-                claim = STATIC_GLOO_CPU.get(name, "-") if (backend, device.type) == ("gloo", "cpu") else "-"
+                claim = STATIC.get((backend, device.type), {}).get(name, "-")
                 lines.append(f"| {name} | {' | '.join(marks[name, d] for d in DTYPES)} | {claim} |")
             text = "\n".join(lines)
             common.say(text)

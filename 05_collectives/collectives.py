@@ -1,7 +1,9 @@
 """Every collective, run once with small tensors: each rank's value before and after, and a check.
 
 Each op prints a little table (one line per rank) and compares the result with its closed-form
-answer; the script exits with 1 if any op misbehaves. Works with any world size from 2 up.
+answer; the script exits with 1 if any op misbehaves. Works with any world size from 2 up, with Gloo
+on CPU tensors or NCCL on GPU tensors (one GPU per process). NCCL has no bitwise reductions
+(BAND, BOR, BXOR): they are listed as not supported, not run.
 
     torchrun --standalone --nproc-per-node 4 05_collectives/collectives.py
     make collectives NPROC=4
@@ -19,6 +21,7 @@ import torch.distributed as dist
 import common
 
 FAILED = []
+UNSUPPORTED = {"nccl": {"BAND", "BOR", "BXOR"}}  # ReduceOps a backend refuses (see backend_matrix.py)
 
 
 def table(rank, title, before, after, expected=None):
@@ -51,11 +54,11 @@ def _same(got, want):
     if isinstance(want, list):
         return len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want, strict=True))
     if torch.is_tensor(want):
-        return torch.allclose(got.cpu().double(), want.double())
+        return torch.is_tensor(got) and torch.allclose(got.cpu().double(), want.cpu().double())
     return got == want
 
 
-def run_all(rank, ws, device):
+def run_all(rank, ws, device, backend):
     def t(*values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=device)
 
@@ -81,6 +84,9 @@ def run_all(rank, ws, device):
                   ("BXOR", torch.int64, lambda v: reduce(lambda a, b: a ^ b, v))]
     values = [r + 1 for r in range(ws)]  # rank r contributes r + 1
     for name, dtype, fn in reductions:
+        if name in UNSUPPORTED.get(backend, ()):
+            common.print0(rank, f"all_reduce({name})  [not supported by {backend}: not run]")
+            continue
         x = t(rank + 1, dtype=dtype)
         before = x.clone()
         dist.all_reduce(x, op=getattr(dist.ReduceOp, name))  # the result on every rank
@@ -153,20 +159,22 @@ def main():
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 4 " + __file__)
     local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    try:
-        device, backend = common.choose_device_backend("auto", args.backend, local_ws)
+    try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process): the two paths of the course
+        device, backend = common.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
+                                               local_rank=local_rank, procs_per_node=local_ws)
     except common.UsageError as err:
         parser.error(str(err))
-    device = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
+    common.print0(int(os.environ["RANK"]), common.runtime_report(device, backend, local_ws))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
     try:
         rank, ws = dist.get_rank(), dist.get_world_size()
         if ws < 2:
             parser.error("needs at least 2 processes: --nproc-per-node 2 or more")
         common.print0(rank, f"{ws} ranks, backend {backend}, device {device.type}\n")
-        run_all(rank, ws, device)
+        run_all(rank, ws, device, backend)
         common.print0(rank, f"\nresult: {'all collectives correct' if not FAILED else 'WRONG: ' + ', '.join(FAILED)}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:

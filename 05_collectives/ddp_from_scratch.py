@@ -5,6 +5,8 @@ same model both ways on the same data and shows that the weights agree.
 
     torchrun --standalone --nproc-per-node 2 05_collectives/ddp_from_scratch.py
     make ddp-from-scratch NPROC=2
+
+Gloo on the CPU, or NCCL on GPUs when there is one GPU per process (--backend picks).
 """
 
 import argparse
@@ -20,11 +22,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import common
 
 
-def train(model, rank, steps, sync_by_hand):
+def train(model, rank, steps, sync_by_hand, device):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(100 + rank)  # every rank its own data
     for _ in range(steps):
-        x, y = torch.randn(16, 10, generator=g), torch.randn(16, 5, generator=g)
+        x, y = torch.randn(16, 10, generator=g).to(device), torch.randn(16, 5, generator=g).to(device)
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         if sync_by_hand:
@@ -38,29 +40,41 @@ def train(model, rank, steps, sync_by_hand):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process)
+        device, backend = common.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
+                                               local_rank=local_rank, procs_per_node=local_ws)
+    except common.UsageError as err:
+        parser.error(str(err))
+    common.print0(int(os.environ["RANK"]), common.runtime_report(device, backend, local_ws))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
     try:
         rank = dist.get_rank()
 
         torch.manual_seed(rank)  # deliberately different initial weights on every rank...
-        by_hand = common.ToyModel()
+        by_hand = common.ToyModel().to(device)
         for p in by_hand.parameters():
             dist.broadcast(p.data, src=0)  # ...so start from rank 0's, as DDP does at construction
-        mine = train(by_hand, rank, args.steps, sync_by_hand=True)
+        mine = train(by_hand, rank, args.steps, True, device)
 
         torch.manual_seed(rank)
-        ddp = DDP(common.ToyModel())  # broadcasts rank 0's weights, all-reduces gradients in backward
-        theirs = train(ddp, rank, args.steps, sync_by_hand=False)
+        # DDP broadcasts rank 0's weights at construction and all-reduces the gradients in backward
+        ddp = DDP(common.ToyModel().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+        theirs = train(ddp, rank, args.steps, False, device)
 
         diff = (mine - theirs).abs().max()
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         spread = mine.clone()
         dist.broadcast(spread, src=0)
-        same_everywhere = torch.tensor([float(torch.equal(spread, mine))])
+        same_everywhere = torch.tensor([float(torch.equal(spread, mine))], device=device)
         dist.all_reduce(same_everywhere, op=dist.ReduceOp.MIN)
         common.print0(rank, f"{dist.get_world_size()} ranks, {args.steps} SGD steps on different data per rank")
         common.print0(rank, f"  by hand: weights identical on all ranks: {bool(same_everywhere.item())}")

@@ -9,6 +9,8 @@ and compares with a plain single-process evaluation.
     torchrun --standalone --nproc-per-node 3 05_collectives/distributed_eval.py \\
         --checkpoint runs/elastic/straight/mnist_torchrun.pt
     make ddp-eval NPROC=3
+
+It runs on the CPU with Gloo on every machine, GPUs or not: the lesson is arithmetic, not devices.
 """
 
 import argparse

@@ -3,6 +3,8 @@
     torchrun --standalone --nproc-per-node 2 05_collectives/p2p.py
     make p2p NPROC=3
 
+Gloo on CPU tensors, or NCCL on GPU tensors when there is one GPU per process (--backend picks).
+
 Every rank's tensor before and after each step is printed by rank 0 as one table.
 """
 
@@ -28,19 +30,29 @@ def show(rank, title, before, after):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
-    # p2p on CPU tensors needs Gloo (NCCL would need one GPU per rank); it is the seed's example backend
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process)
+        device, backend = common.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
+                                               local_rank=local_rank, procs_per_node=local_ws)
+    except common.UsageError as err:
+        parser.error(str(err))
+    common.print0(int(os.environ["RANK"]), common.runtime_report(device, backend, local_ws))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
     try:
         rank, ws = dist.get_rank(), dist.get_world_size()
         if ws < 2:
             parser.error("needs at least 2 processes")
 
         # 1. blocking: rank 0 sends, rank 1 receives; both wait until the transfer is done
-        x = torch.tensor([float(rank)])
+        x = torch.tensor([float(rank)], device=device)
         before = x.clone()
         if rank == 0:
             x += 100
@@ -50,7 +62,7 @@ def main():
         show(rank, "send/recv: rank 0 adds 100 and sends to rank 1 (other ranks idle)", before, x)
 
         # 2. non-blocking: isend/irecv return at once; touch the tensor only after wait()
-        x = torch.tensor([float(rank)])
+        x = torch.tensor([float(rank)], device=device)
         before = x.clone()
         if rank == 0:
             x += 100
@@ -62,8 +74,8 @@ def main():
         show(rank, "isend/irecv: the same, without blocking until wait()", before, x)
 
         # 3. a ring: every rank sends to the next and receives from the previous, all at once
-        send = torch.tensor([10.0 * rank])
-        recv = torch.zeros(1)
+        send = torch.tensor([10.0 * rank], device=device)
+        recv = torch.zeros(1, device=device)
         ops = [dist.P2POp(dist.isend, send, (rank + 1) % ws), dist.P2POp(dist.irecv, recv, (rank - 1) % ws)]
         for req in dist.batch_isend_irecv(ops):  # posted together: no rank waits for a send to finish first
             req.wait()

@@ -43,7 +43,7 @@ def train(rank, world_size, args, device):
     path = Path(args.checkpoint_dir) / "cifar_resnet.pt" if args.checkpoint_dir else None
     start_epoch = 0
     if args.resume and path and path.exists():
-        state = torch.load(path, map_location=device, weights_only=True)
+        state = common.load_checkpoint(path)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
@@ -61,7 +61,8 @@ def train(rank, world_size, args, device):
         for step, (images, labels) in enumerate(common.progress(train_loader, rank, f"epoch {epoch + 1}", steps)):
             if step == steps:
                 break
-            images = common.augment_cifar(images, augment_rng).to(device, non_blocking=True)
+            # augment on the device, after the (pinned, non-blocking) copy: no CPU work per batch
+            images = common.augment_cifar(images.to(device, non_blocking=True), augment_rng)
             labels = labels.to(device, non_blocking=True)
             last_micro = (step + 1) % args.accum_steps == 0 or step + 1 == steps
             # all-reduce only on the last micro-batch of an optimizer step
@@ -97,26 +98,29 @@ def main():
     common.add_common_args(parser, family="cifar10", epochs=2, batch_size=32, lr=0.05)
     parser.add_argument("--amp", default="auto", choices=("auto", "off", "fp16", "bf16"),
                         help="auto = fp16 on CUDA, bf16 on CPU")
-    parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--eval-every", type=int, default=1, help="evaluate every K epochs (and after the last)")
+    parser.add_argument("--accum-steps", type=common.positive_int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--eval-every", type=common.positive_int, default=1,
+                        help="evaluate every K epochs (and after the last)")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
-    if args.accum_steps < 1 or args.eval_every < 1:
-        parser.error("--accum-steps and --eval-every must be at least 1")
     rank, world_size, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    common.check_args(parser, args, nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device, backend = common.check_args(parser, args, local_rank=local_rank, procs_per_node=procs_per_node)
+    common.print0(rank, common.runtime_report(device, backend, procs_per_node))
     if args.amp == "auto":
         args.amp = "fp16" if device.type == "cuda" else "bf16"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
     try:
-        if rank == 0:  # one process downloads or generates the data while the others wait
+        # one process per node prepares the data (see mnist_torchrun.py); a download may outlast --timeout
+        data_ready = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
+        if local_rank == 0:
             args.dataset = common.prepare_data(args.dataset, args.data_dir, family="cifar10")
-        dist.barrier()
+        dist.barrier(group=data_ready)
         args.dataset = common.resolve_dataset(args.dataset, args.data_dir, family="cifar10")
         train(rank, world_size, args, device)
         dist.barrier()  # every rank finishes its work before any tears the group down

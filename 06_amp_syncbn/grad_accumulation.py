@@ -6,6 +6,8 @@ hook counts the all-reduces, and both variants are compared with one process on 
 
     torchrun --standalone --nproc-per-node 2 06_amp_syncbn/grad_accumulation.py --accum-steps 4
     make grad-accum NPROC=2
+
+It runs on the CPU with Gloo on every machine, GPUs or not: the lesson is arithmetic, not devices.
 """
 
 import argparse

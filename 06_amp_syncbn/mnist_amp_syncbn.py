@@ -15,7 +15,6 @@ of syncbn_by_hand.py, which computes the same statistics. Copy that file along i
 import argparse
 import gc
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +30,7 @@ from torch.utils.data.distributed import DistributedSampler
 import common
 
 
-def join_group(args, rank, world_size):
+def join_group(args, backend, device, rank, world_size):
     """init_process_group from torchrun's environment, in a fresh namespace for every restart.
 
     torchrun's agent keeps one key-value store for the whole job. Workers restarted after a
@@ -41,8 +40,9 @@ def join_group(args, rank, world_size):
     timeout = timedelta(seconds=args.timeout)
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(args.backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
-                            rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
+                            world_size=world_size, timeout=timeout,
+                            device_id=device if backend == "nccl" else None)  # NCCL: bind this GPU now
 
 
 def train(rank, world_size, args, device):
@@ -75,7 +75,7 @@ def train(rank, world_size, args, device):
     path = Path(args.checkpoint_dir) / "mnist_amp_syncbn.pt" if args.checkpoint_dir else None
     start_epoch = 0
     if path and path.exists():  # resume automatically: a restarted job continues where it stopped
-        state = torch.load(path, map_location=device, weights_only=True)
+        state = common.load_checkpoint(path)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
@@ -84,7 +84,7 @@ def train(rank, world_size, args, device):
         common.print0(rank, f"resumed from {path} after epoch {start_epoch}")
 
     common.print0(rank, f"training ConvNet on {dataset} ({len(train_set)} train / {len(test_set)} test "
-                        f"images) with {world_size} processes ({args.backend}, {device.type}), "
+                        f"images) with {world_size} processes ({dist.get_backend()}, {device.type}), "
                         f"batch {args.batch_size} per process, {args.epochs} epoch(s), amp {args.amp}, "
                         f"sync-bn {args.sync_bn}")
     start = time.time()
@@ -123,7 +123,8 @@ def train(rank, world_size, args, device):
                             f"test_loss={loss_sum / samples:.4f} test_acc={correct / samples:.4f}")
         if rank == 0 and path:  # the weights are identical on every rank: one writer is enough
             common.atomic_save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                                "scaler": scaler.state_dict(), "epoch": epoch + 1, "rng": common.rng_state()}, path)
+                                "scaler": scaler.state_dict(), "epoch": epoch + 1, "rng": common.rng_state(),
+                                "device": device.type}, path)
 
     if start_epoch >= args.epochs:
         common.print0(rank, f"nothing to do: the checkpoint is already at epoch {start_epoch}")
@@ -152,8 +153,9 @@ def main():
     if not 0 <= rank < world_size or local_rank < 0:
         parser.error(f"RANK={rank} with WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}: "
                      f"ranks must run from 0 to WORLD_SIZE-1")
-    common.check_args(parser, args, nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device, backend = common.check_args(parser, args, local_rank=local_rank, procs_per_node=procs_per_node)
+    common.print0(rank, common.runtime_report(device, backend, procs_per_node))
     if args.use_mix_precision:
         args.amp = "fp16"
     if args.amp == "auto":
@@ -162,15 +164,19 @@ def main():
         common.say("WARNING: fp16 autocast on a CPU runs, but about 10x slower than bf16 here (no fp16 "
                    "arithmetic units); use --amp bf16 on CPUs")
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # before init: NCCL binds this process to its own GPU
+        torch.cuda.set_device(device)  # before init: this process's GPU for every CUDA and NCCL call
 
-    join_group(args, rank, world_size)
+    join_group(args, backend, device, rank, world_size)
     try:
-        if rank == 0:  # one process downloads or generates the data while the others wait
+        # One process PER NODE prepares the data: local_rank 0 exists once on every node (rank 0 only once
+        # in the job), and another node may not share this file system. A first download can take longer
+        # than --timeout, so the others wait at a barrier of a Gloo group with a long timeout of its own.
+        data_ready = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
+        if local_rank == 0:
             args.dataset = common.prepare_data(args.dataset, args.data_dir)
-        dist.barrier()
+        dist.barrier(group=data_ready)
         args.dataset = common.resolve_dataset(args.dataset, args.data_dir)
-        common.print0(rank, f"torchrun gave {world_size} processes on {socket.gethostname()}; "
+        common.print0(rank, f"torchrun gave {world_size} processes, {procs_per_node} on this node; "
                             f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
         train(rank, world_size, args, device)
         dist.barrier()  # every rank finishes its work before any tears the group down

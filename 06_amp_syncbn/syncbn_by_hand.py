@@ -5,10 +5,13 @@ rank sums x and x*x over its own samples, one all_reduce adds the sums of every 
 ranks normalise with the global mean and variance. Gradients flow back through the all_reduce.
 
     torchrun --standalone --nproc-per-node 2 06_amp_syncbn/syncbn_by_hand.py    # the proof
+    torchrun --standalone --nproc-per-node 2 06_amp_syncbn/syncbn_by_hand.py --device cuda   # + nn.SyncBatchNorm
     make syncbn-proof NPROC=3
 
 The proof: every rank holds a slice of one global batch; the outputs, the input gradients and the
-running statistics equal those of nn.BatchNorm2d run on the whole batch in one process.
+running statistics equal those of nn.BatchNorm2d run on the whole batch in one process. It runs on the
+CPU with Gloo by default, on any machine. With --device cuda (NCCL with a GPU per process, or
+--backend gloo to share GPUs) nn.SyncBatchNorm is held to the same account, next to this module.
 """
 
 import argparse
@@ -80,45 +83,66 @@ def convert_batchnorm(module: nn.Module) -> nn.Module:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-rank", type=int, default=4, help="samples per rank")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: on GPUs, with nn.SyncBatchNorm compared too (default %(default)s)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    try:
+        device, backend = common.choose_device(args.device, args.backend, local_rank=local_rank,
+                                               procs_per_node=local_ws)
+    except common.UsageError as err:
+        parser.error(str(err))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
     try:
         rank, ws = dist.get_rank(), dist.get_world_size()
         g = torch.Generator().manual_seed(0)  # every rank builds the same global batch and upstream gradient
-        x_all = torch.randn(ws * args.per_rank, 3, 5, 5, generator=g) * 2 + 1
-        up_all = torch.randn(x_all.shape, generator=g)
+        x_all = (torch.randn(ws * args.per_rank, 3, 5, 5, generator=g) * 2 + 1).to(device)
+        up_all = torch.randn(x_all.shape, generator=g).to(device)
         mine = slice(rank * args.per_rank, (rank + 1) * args.per_rank)
 
-        reference = nn.BatchNorm2d(3)  # one process, the whole batch
+        reference = nn.BatchNorm2d(3).to(device)  # one process, the whole batch
         x_ref = x_all.clone().requires_grad_()
         y_ref = reference(x_ref)
         (y_ref * up_all).sum().backward()
 
-        synced = AllReduceBatchNorm2d(3)  # this rank, its slice only
-        x = x_all[mine].clone().requires_grad_()
-        y = synced(x)
-        (y * up_all[mine]).sum().backward()
+        def differences(layer):
+            """Run `layer` on this rank's slice; how far it lands from the whole-batch reference, on every rank."""
+            x = x_all[mine].clone().requires_grad_()
+            y = layer(x)
+            (y * up_all[mine]).sum().backward()
+            diffs = {"output": (y - y_ref[mine]).abs().max().item(),
+                     "input_grad": (x.grad - x_ref.grad[mine]).abs().max().item(),
+                     "running_mean": (layer.running_mean - reference.running_mean).abs().max().item(),
+                     "running_var": (layer.running_var - reference.running_var).abs().max().item()}
+            worst = torch.tensor([max(diffs.values())], device=device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the worst rank: each must hold the global statistics
+            return diffs, worst.item()
 
-        diffs = {
-            "output": (y - y_ref[mine]).abs().max().item(),
-            "input_grad": (x.grad - x_ref.grad[mine]).abs().max().item(),
-            "running_mean": (synced.running_mean - reference.running_mean).abs().max().item(),
-            "running_var": (synced.running_var - reference.running_var).abs().max().item(),
-        }
-        worst = torch.tensor([max(diffs.values())])
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        local = nn.BatchNorm2d(3)(x_all[mine])  # plain BatchNorm on the slice, for contrast
-        plain = torch.tensor([(local - y_ref[mine]).abs().max().item()])
+        diffs, worst = differences(AllReduceBatchNorm2d(3).to(device))  # this rank, its slice only
+        local = nn.BatchNorm2d(3).to(device)(x_all[mine])  # plain BatchNorm on the slice, for contrast
+        plain = torch.tensor([(local - y_ref[mine]).abs().max().item()], device=device)
         dist.all_reduce(plain, op=dist.ReduceOp.MAX)
-        common.print0(rank, f"{ws} ranks x {args.per_rank} samples vs nn.BatchNorm2d on all {ws * args.per_rank}:")
+        common.print0(rank, f"{ws} ranks x {args.per_rank} samples vs nn.BatchNorm2d on all {ws * args.per_rank} "
+                            f"({backend}, {device.type}):")
         for key, value in diffs.items():
             common.print0(rank, f"  {key:<13} max |difference| on rank 0: {value:.2e}")
         common.print0(rank, f"  plain BatchNorm2d on one rank's slice differs by {plain.item():.2e}")
-        common.print0(rank, f"result: max_diff={worst.item():.3e} plain_diff={plain.item():.3e} "
-                            f"equal={worst.item() < 1e-5}")
+        result = f"result: max_diff={worst:.3e} plain_diff={plain.item():.3e}"
+        ok = worst < 1e-5
+        if device.type == "cuda":  # PyTorch's own, which trains on GPUs only
+            _, sync_worst = differences(nn.SyncBatchNorm(3).to(device))
+            common.print0(rank, f"  nn.SyncBatchNorm, worst over output, gradient, statistics and ranks: "
+                                f"{sync_worst:.2e}")
+            result += f" syncbn_diff={sync_worst:.3e}"
+            ok = ok and sync_worst < 1e-5
+        common.print0(rank, f"{result} equal={ok}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()

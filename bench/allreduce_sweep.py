@@ -61,12 +61,16 @@ def check_ring(ws: int, device) -> None:
         raise RuntimeError(f"rank {rank}: the p2p ring all_reduce disagrees with dist.all_reduce")
 
 
-def timed(fn, iters):
+def timed(fn, iters, device):
+    """Seconds per call of fn. On CUDA, collectives only enqueue work on a stream: synchronise before
+    reading the clock, or the time measured is the launch, not the transfer."""
     fn()  # warm up this size
+    benchlib.sync(device)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
+    benchlib.sync(device)
     return (time.perf_counter() - start) / iters
 
 
@@ -92,9 +96,11 @@ def op_runner(name, nbytes, ws, device):
 def memcpy_gbps(nbytes, device):
     src, dst = torch.ones(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
     dst.copy_(src)
+    benchlib.sync(device)
     start = time.perf_counter()
     for _ in range(5):
         dst.copy_(src)
+    benchlib.sync(device)  # a CUDA copy is asynchronous: wait for it
     return nbytes * 5 / (time.perf_counter() - start) / 1e9
 
 
@@ -106,15 +112,15 @@ def main():
         args.rounds = 2
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
-    local_rank = int(os.environ["LOCAL_RANK"])
+    local_rank, procs_per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     try:
-        device, backend = common.choose_device_backend("auto", "auto", int(os.environ["LOCAL_WORLD_SIZE"]))
+        device, backend = common.choose_device(local_rank=local_rank, procs_per_node=procs_per_node)
     except common.UsageError as err:
         parser.error(str(err))
-    device = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
     try:
         rank, ws = dist.get_rank(), dist.get_world_size()
         check_ring(ws, device)
@@ -127,7 +133,7 @@ def main():
             for s in sizes:
                 iters = max(2, min(10 if args.quick else 200, (256 << 20) // s))  # ~0.1-0.5 s per op and size
                 for op in benchlib.rotated(list(BUS_FACTOR), r):  # every op at this size, then the next size
-                    times[op, s].append(timed(op_runner(op, s, ws, device), iters))
+                    times[op, s].append(timed(op_runner(op, s, ws, device), iters, device))
             if rank == 0:  # the local limit, measured in every round too, while the other ranks wait
                 copies.append(memcpy_gbps(sizes[-1], device))
             dist.barrier()

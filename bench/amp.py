@@ -1,5 +1,9 @@
-"""Mixed precision: training images/s in fp32 vs bf16 autocast (and fp16 with GradScaler on CUDA), for the
-course's ConvNet (MNIST-shaped) and ResNet-18 (CIFAR-shaped), one process, data already on the device.
+"""Mixed precision: training images/s in fp32 vs bf16 autocast (and, on CUDA, TF32 and fp16 with GradScaler),
+for the course's ConvNet (MNIST-shaped) and ResNet-18 (CIFAR-shaped), one process, data already on the device.
+
+On Ampere and newer GPUs, "fp32" convolutions run in TF32 by default (torch.backends.cudnn.conv.fp32_precision
+is "tf32"): here fp32 means true fp32 (TF32 off for matmuls and convolutions), and tf32 is its own variant.
+The flags each variant ran with are recorded in the results.
 
 Autocast runs matrix multiplications and convolutions in the lower precision where the hardware has fast
 units for it (tensor cores on recent GPUs; some CPUs have bf16 instructions, many do not). Whether it pays
@@ -25,7 +29,22 @@ MODELS = {  # name: (builder, input shape, CPU batch, GPU batch, CPU steps, GPU 
     "convnet": (common.ConvNet, (1, 28, 28), 64, 512, 150, 100),
     "resnet18": (common.resnet18_cifar, (3, 32, 32), 32, 256, 4, 30),
 }
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def fp32_math(precision: str) -> str:
+    """Set how CUDA computes fp32 matmuls and convolutions for this variant; return the setting.
+
+    "ieee" is true fp32; "tf32" uses tensor cores with a 10-bit mantissa. Autocast variants keep torch's
+    defaults (matmul ieee, convolution tf32) for what stays in fp32.
+    """
+    mode = {"fp32": "ieee", "tf32": "tf32"}.get(precision)
+    if mode is None:
+        mode = "default"
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = "ieee", "tf32"
+    else:
+        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = mode
+    return mode
 
 
 def make_runner(model_name: str, precision: str, batch: int, cfg: dict, device: torch.device):
@@ -37,6 +56,9 @@ def make_runner(model_name: str, precision: str, batch: int, cfg: dict, device: 
 
     def run() -> dict:
         common.seed_everything(0)
+        torch.backends.cudnn.deterministic = False  # a speed measurement: let cuDNN pick its fastest
+        torch.backends.cudnn.benchmark = device.type == "cuda"
+        math_mode = fp32_math(precision) if device.type == "cuda" else "cpu"
         model = build().to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
@@ -55,7 +77,8 @@ def make_runner(model_name: str, precision: str, batch: int, cfg: dict, device: 
             return batch
 
         n, seconds = benchlib.time_steps(step, cfg["warmup"], cfg["steps"][model_name], device)
-        return {"images_per_s": n / seconds, "loss": float(loss_of(model, images, labels))}
+        return {"images_per_s": n / seconds, "loss": float(loss_of(model, images, labels)),
+                "fp32_math": math_mode}
 
     return run
 
@@ -80,14 +103,15 @@ def main(argv=None):
     if args.warmup < 0:
         parser.error("--warmup must be at least 0")
     try:
-        device_name, _ = common.choose_device_backend(args.device, "auto", 1)
+        device, _ = common.choose_device(args.device, None)
     except common.UsageError as err:
         parser.error(str(err))
-    device = torch.device("cuda", 0) if device_name == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
-    precisions = ["fp32", "bf16"] + (["fp16"] if cuda else [])
-    if cuda and not torch.cuda.is_bf16_supported():
+    precisions = ["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32", "bf16"]
+    if cuda and not torch.cuda.is_bf16_supported(including_emulation=False):  # emulated bf16 is no speed-up
         precisions.remove("bf16")
+    if cuda and torch.cuda.get_device_capability(device) < (8, 0):  # TF32 needs Ampere or newer
+        precisions.remove("tf32")
     if args.quick:
         args.rounds, args.warmup = 1, 1
     batches = {m: 4 if args.quick else MODELS[m][3 if cuda else 2] for m in models}
@@ -98,6 +122,7 @@ def main(argv=None):
                f"({torch.cuda.get_device_name(device) if cuda else benchlib.cpu_model()}), {args.rounds} round(s)")
     per_round = benchlib.run_rounds({"/".join(key): run for key, run in runners.items()}, args.rounds)
     rounds, losses = benchlib.column(per_round), benchlib.column(per_round, "loss")[-1]
+    cfg["fp32_math"] = benchlib.column(per_round, "fp32_math")[-1]  # how each variant computed its fp32 ops
     report(args, cfg, device, models, precisions, rounds, losses)
 
 
@@ -113,7 +138,9 @@ def report(args, cfg, device, models, precisions, rounds, losses):
                "ratios": ratios, "final_loss": losses, "per_round": rounds}
     md = [f"# Mixed precision, training images/s ({device.type})", "",
           f"{machine['gpu'] or machine['cpu']}, {machine['cores']} cores, torch {torch.__version__}; one process; "
-          f"median (min-max) over {args.rounds} round(s); fp16 uses a GradScaler. CPU features: "
+          f"median (min-max) over {args.rounds} round(s); fp16 uses a GradScaler"
+          + ("; fp32 is true fp32 (TF32 off), tf32 uses TF32 tensor cores" if device.type == "cuda" else "")
+          + ". CPU features: "
           f"{', '.join(machine['cpu_flags']) or 'none of avx2, avx512f, avx512_bf16, amx_bf16'}.", ""]
     md += benchlib.md_table(["model", "batch", "precision", "images/s", "vs fp32", "loss after"],
                             [[k.split("/")[0], cfg["batch"][k.split("/")[0]], k.split("/")[1],
@@ -124,7 +151,8 @@ def report(args, cfg, device, models, precisions, rounds, losses):
                               f"{losses[k]:.3f}"] for k in keys])
     out = Path(args.output_dir)
     paths = benchlib.write_results(out, name, payload, md)
-    colors = [{"bf16": "tab:orange", "fp16": "tab:green"}[k.split("/")[1].split("_")[0]] for k in ratios]
+    colors = [{"tf32": "tab:purple", "bf16": "tab:orange", "fp16": "tab:green"}[k.split("/")[1].split("_")[0]]
+              for k in ratios]
     png = benchlib.bar_plot(out / f"{name}.png", [k.replace("_vs_fp32", "") for k in ratios], list(ratios.values()),
                             "images/s relative to fp32", f"autocast vs fp32, {device.type}", colors=colors,
                             hline=1.0, hline_label="fp32")

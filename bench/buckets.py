@@ -38,7 +38,7 @@ def make_runner(cap_mb: float | None, cfg: dict, device: torch.device, local_ran
 
     def run() -> dict:
         common.seed_everything(0)
-        model = DDP(common.resnet18_cifar().to(device), device_ids=[local_rank] if device.type == "cuda" else None,
+        model = DDP(common.resnet18_cifar().to(device), device_ids=[device.index] if device.type == "cuda" else None,
                     bucket_cap_mb=cap_mb if cap_mb is not None else 25)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
@@ -78,22 +78,22 @@ def main(argv=None):
         parser.error(f"--caps must be numbers separated by commas, got {args.caps!r}")
     if any(c <= 0 for c in caps) or not caps:
         parser.error("--caps: every bucket size must be above 0 MB")
+    local_rank, procs_per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     try:
-        device_name, backend = common.choose_device_backend("auto", "auto", int(os.environ["LOCAL_WORLD_SIZE"]))
+        device, backend = common.choose_device(local_rank=local_rank, procs_per_node=procs_per_node)
     except common.UsageError as err:
         parser.error(str(err))
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank) if device_name == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
-        common.share_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
+        common.share_cpu_threads(procs_per_node)
     cuda = device.type == "cuda"
     if args.quick:
         args.rounds, args.steps, args.warmup, args.batch_size, caps = 1, 1, 2, 2, [1.0, 25.0]
     cfg = {"batch": args.batch_size or (128 if cuda else 16), "steps": args.steps or (30 if cuda else 4),
            "warmup": args.warmup, "caps_mb": caps, "threads": torch.get_num_threads()}
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
     try:
         rank, ws = dist.get_rank(), dist.get_world_size()
         cfg["world_size"] = ws

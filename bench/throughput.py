@@ -112,9 +112,10 @@ def ddp_worker(rank: int, ws: int, cfg: dict, out: str, launched_at: float, init
     else:
         torch.set_num_threads(max(1, cfg["cores"] // ws))  # the same split for both launchers
     dist.init_process_group(cfg["backend"], init_method=init_method, rank=rank, world_size=ws,
-                            timeout=timedelta(seconds=cfg["timeout"]))
+                            timeout=timedelta(seconds=cfg["timeout"]),
+                            device_id=device if cfg["backend"] == "nccl" else None)
     try:
-        model = DDP(new_model(device), device_ids=[local_rank] if device.type == "cuda" else None)
+        model = DDP(new_model(device), device_ids=[device.index] if device.type == "cuda" else None)
         ready = time.time()
         batches = resident_batches(load_train_set(cfg), cfg["batch_size"], device, seed=rank)
         images, seconds = measure(model, batches, cfg, device)
@@ -268,20 +269,22 @@ def main(argv=None):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     try:
-        device_name, backend = common.choose_device_backend(args.device, "auto", 1)
-        device = torch.device("cuda", 0) if device_name == "cuda" else torch.device("cpu")
+        device, backend = common.choose_device(args.device, "auto")
         cores = benchlib.usable_cores()
         world_sizes, note = plan_world_sizes(device, cores, args.world_sizes)
+        if args.quick:
+            world_sizes = world_sizes[:1]  # a smoke run: the smallest multi-process size is enough
         args.dataset = common.prepare_data(args.dataset, args.data_dir, quiet=True)
     except common.UsageError as err:
         parser.error(str(err))
-    cfg = {"device": device.type, "backend": backend, "cores": cores, "batch_size": args.batch_size,
+    cfg = {"device": device.type, "backend": backend, "cores": cores, "world_sizes": world_sizes,
+           "batch_size": args.batch_size,
            "steps": args.steps, "warmup": args.warmup, "timeout": args.timeout, "dataset": args.dataset,
            "data_dir": str(Path(args.data_dir).resolve())}
 
     # DDP at world size 1 needs a process group in this process; the launched variants make their own
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{common.free_port()}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout), device_id=device if backend == "nccl" else None)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
             variants = build_variants(cfg, device, world_sizes, tmp)

@@ -2,7 +2,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, also without `make setup`
 
@@ -10,12 +9,13 @@ import common  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; torch.cuda.is_available() is False on this machine")
+    """`cuda` tests need one usable GPU, `multigpu` tests two; elsewhere they are skipped, with the reason."""
+    gpus = common.gpu_count()
+    needs = {"cuda": 1, "multigpu": 2}
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        for marker, count in needs.items():
+            if marker in item.keywords and gpus < count:
+                item.add_marker(pytest.mark.skip(reason=f"needs {count} usable CUDA GPU(s); this machine has {gpus}"))
 
 
 @pytest.fixture(scope="session")

@@ -98,16 +98,22 @@ def test_headline_spawn_run_reaches_97_percent(data_dir):
     assert final["test_acc"] >= 0.97, res.tail()
 
 
-def spawn_runs(folder, data_dir, nproc):
-    """mnist_spawn run from `folder`: 2 epochs straight (A), and 1 epoch + resume + 1 epoch (B)."""
+def spawn_runs(folder, data_dir, nproc, device="cpu"):
+    """mnist_spawn run from `folder`: 2 epochs straight (A), and 1 epoch + resume + 1 epoch (B).
+
+    On the CPU by default, on any machine: the CPU is where the course claims bitwise-equal weights.
+    """
     base = [PYTHON, "mnist_spawn.py", "--nproc", str(nproc), "--dataset", "mnist-standin", "--data-dir", data_dir,
-            "--max-steps", "15", "--timeout", "60"]
-    a = run(base + ["--epochs", "2", "--checkpoint-dir", folder / f"A{nproc}"], cwd=folder, timeout=180)
-    b1 = run(base + ["--epochs", "1", "--checkpoint-dir", folder / f"B{nproc}"], cwd=folder, timeout=180)
-    b2 = run(base + ["--epochs", "2", "--checkpoint-dir", folder / f"B{nproc}", "--resume"], cwd=folder, timeout=180)
+            "--max-steps", "15", "--timeout", "60", "--device", device]
+    if device == "cuda" and common.gpu_count() < nproc:
+        base += ["--backend", "gloo"]  # processes share the GPU(s)
+    a_dir, b_dir = folder / f"A{nproc}{device}", folder / f"B{nproc}{device}"
+    a = run(base + ["--epochs", "2", "--checkpoint-dir", a_dir], cwd=folder, timeout=180)
+    b1 = run(base + ["--epochs", "1", "--checkpoint-dir", b_dir], cwd=folder, timeout=180)
+    b2 = run(base + ["--epochs", "2", "--checkpoint-dir", b_dir, "--resume"], cwd=folder, timeout=180)
     assert "resumed from" in b2.stdout and "after epoch 1" in b2.stdout
-    straight = torch.load(folder / f"A{nproc}" / "mnist_spawn.pt", weights_only=True)
-    resumed = torch.load(folder / f"B{nproc}" / "mnist_spawn.pt", weights_only=True)
+    straight = common.load_checkpoint(a_dir / "mnist_spawn.pt")
+    resumed = common.load_checkpoint(b_dir / "mnist_spawn.pt")
     return a, b1, b2, straight, resumed
 
 
@@ -149,11 +155,27 @@ def test_two_ranks_resume_gives_bitwise_the_same_weights(copied, data_dir):
 
 
 def test_spawn_refuses_impossible_requests():
-    res = python("02_ddp_spawn/mnist_spawn.py", "--backend", "nccl", expect_rc=2)
-    assert ("nccl needs CUDA" in res.stderr or "one GPU per process" in res.stderr) and "Traceback" not in res.stderr
+    gpus = common.gpu_count()  # one process more than there are GPUs: NCCL cannot work, on any machine
+    res = python("02_ddp_spawn/mnist_spawn.py", "--backend", "nccl", "--nproc", str(gpus + 1), expect_rc=2)
+    assert ("nccl needs CUDA" if gpus == 0 else "NCCL needs one GPU per process") in res.stderr
+    assert "Traceback" not in res.stderr
     res = python("02_ddp_spawn/mnist_spawn.py", "--resume", expect_rc=2)
     assert "--resume needs --checkpoint-dir" in res.stderr
     res = make("ddp-spawn", "NPROC=0", expect_rc=2)
     assert "NPROC must be a whole number" in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+def test_resume_on_a_gpu(copied, data_dir):
+    """The GPU resume path: the checkpoint's RNG states come back to the CPU, the weights to the GPU.
+
+    Two processes, on two GPUs with NCCL or sharing one through Gloo. cuDNN is made deterministic
+    (common.seed_everything); the check allows float noise of 1e-5 from NCCL's or cuDNN's summation order.
+    """
+    a, _, b2, straight, resumed = spawn_runs(copied, data_dir, nproc=2, device="cuda")
+    assert "resumed from" in b2.stdout
+    for key, value in straight["model"].items():
+        assert torch.allclose(value.double(), resumed["model"][key].double(), rtol=0, atol=1e-5), key
 
 

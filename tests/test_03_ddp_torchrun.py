@@ -29,14 +29,27 @@ def test_three_processes_count_every_test_image_once(data_dir):
     assert res.final["world_size"] == 3 and res.final["test_samples"] == 4000
 
 
-@pytest.mark.slow
-def test_elastic_restart_recovers_with_identical_weights(data_dir, tmp_path):
+def elastic_run(data_dir, tmp_path, device):
     res = make("ddp-elastic", f"ELASTIC={tmp_path}/elastic", "FAIL_AT=20",
-               "ARGS=--epochs 2 --max-steps 15 --timeout 30 " + STANDIN.format(data_dir), timeout=300)
+               f"ARGS=--epochs 2 --max-steps 15 --timeout 30 --device {device} " + STANDIN.format(data_dir)
+               + (" --backend gloo" if device == "cuda" and common.gpu_count() < 2 else ""), timeout=300)
     assert "RuntimeError: simulated failure of rank 1 at step 5 of epoch 2" in res.output
     assert "resumed from" in res.stdout and "restart 1" in res.stdout
     assert re.search(r"final: .* restarts=1", res.stdout)
+    return res
+
+
+@pytest.mark.slow
+def test_elastic_restart_recovers_with_identical_weights(data_dir, tmp_path):
+    res = elastic_run(data_dir, tmp_path, "cpu")  # bitwise: the CPU claim, checked on any machine
     assert "bitwise identical: True" in res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+def test_elastic_restart_on_a_gpu(data_dir, tmp_path):
+    res = elastic_run(data_dir, tmp_path, "cuda")
+    assert re.search(r"identical within \S+ \(trained on a GPU\): True", res.stdout), res.tail()
 
 
 @pytest.mark.slow
@@ -67,7 +80,8 @@ def test_two_standalone_jobs_at_once_do_not_collide():
     for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 0, out
         assert "process group of 2 is OK: all_reduce of ones = 2" in out
-        assert len(re.findall(r"\[pid \d+\] rank=\d local_rank=\d world_size=2 backend=gloo", out)) == 2
+        backend = common.choose_device(procs_per_node=2)[1]  # nccl on a machine with 2 GPUs
+        assert len(re.findall(rf"\[pid \d+\] rank=\d local_rank=\d world_size=2 backend={backend}", out)) == 2
     deadline = time.time() + 10
     while any(session_processes(p.pid) for p in procs) and time.time() < deadline:
         time.sleep(0.2)

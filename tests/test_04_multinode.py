@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,29 @@ def test_two_nodes_by_hand_over_tcp(data_dir):
         assert f"rank {rank} (node {node}, local rank {local}) of 4 joined via tcp" in res.stdout
     assert "--node-rank 1 --local-rank 1" in res.stdout, "each process's command is printed"
     assert res.final["world_size"] == 4 and res.final["test_samples"] == 4000
+
+
+@pytest.mark.slow
+@pytest.mark.multigpu
+def test_two_simulated_nodes_get_a_gpu_each(data_dir):
+    """Each simulated node sees only its own GPU (CUDA_VISIBLE_DEVICES), numbered 0 inside it: no duplicate GPU."""
+    res = make("multinode-tcp", "NNODES=2", "NPROC=1", "ARGS=" + SHORT.format(data_dir), timeout=240)
+    assert "CUDA_VISIBLE_DEVICES=0 " in res.stdout and "CUDA_VISIBLE_DEVICES=1 " in res.stdout
+    assert "with 2 processes (nccl, cuda)" in res.stdout
+    assert res.final["world_size"] == 2 and res.final["test_samples"] == 4000
+
+
+def test_simulated_nodes_split_the_gpus_or_fall_back_to_the_cpu():
+    sys.path.insert(0, str(REPO / "04_multinode_tcp"))
+    from gpus_per_node import plan
+
+    assert plan(2, 2, []) == (["", ""], "")  # no GPU: nothing to choose
+    assert plan(2, 2, ["0", "1", "2", "3", "4", "5", "6", "7"]) == (["0,1", "2,3"], "")
+    assert plan(2, 1, ["3", "5"]) == (["3", "5"], "")  # CUDA_VISIBLE_DEVICES=3,5 already set
+    nodes, note = plan(2, 2, ["0", "1"])
+    assert nodes == ["cpu", "cpu"] and "NOTE: THE NODES RUN ON THE CPU" in note and "need 4 GPUs" in note
+    nodes, note = plan(2, 1, ["0"])
+    assert nodes == ["cpu", "cpu"] and "1 are visible" in note
 
 
 @pytest.mark.slow
@@ -139,7 +163,7 @@ def test_two_real_hosts_in_network_namespaces(data_dir):
 @pytest.mark.slow
 @pytest.mark.skipif(NETNS_SKIP is not None, reason=str(NETNS_SKIP))
 def test_without_gloo_socket_ifname_the_two_hosts_cannot_connect(data_dir):
-    res = run(["bash", REPO / "04_multinode_tcp/netns_2hosts.sh", "1",
+    res = run(["bash", REPO / "04_multinode_tcp/netns_2hosts.sh", "1", "--device", "cpu",  # the lesson: Gloo
                *SHORT.format(data_dir).replace("--timeout 60", "--timeout 15").split()],
               env={"PYTHON": PYTHON, "BREAK": "1"}, timeout=120, expect_rc=1)
     tag = re.search(r"namespace ddp0-(\d+)", res.stdout).group(1)

@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+import common
 from harness import make
 
 # Gloo on CPU, as recorded in the project's measured facts: every op of the static table works
@@ -13,17 +14,31 @@ GLOO_CPU_FAILS = {("all_reduce AVG", "int64"), ("all_reduce BAND", "float32"), (
                   ("all_gather, uneven sizes", "int64")}
 
 
+def check_collectives(out: str, nproc: int, backend: str):
+    assert f"{nproc} ranks, backend {backend}" in out
+    assert "result: all collectives correct" in out
+    assert "[WRONG]" not in out
+    checked = re.findall(r"^(\S.*)  \[OK\]$", out, re.M)
+    # broadcast, 8 all_reduce ops, 9 other tensor ops, 3 object ops; NCCL has no bitwise reductions
+    bitwise = re.findall(r"^all_reduce\((BAND|BOR|BXOR)\)  \[not supported by nccl: not run\]$", out, re.M)
+    assert (len(checked), len(bitwise)) == ((21, 0) if backend == "gloo" else (18, 3)), checked
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_every_collective_gives_its_closed_form_result(nproc):
     out = make("collectives", f"NPROC={nproc}", timeout=120).stdout
-    assert "result: all collectives correct" in out
-    assert "[WRONG]" not in out
-    checked = re.findall(r"^(\S.*)  \[OK\]$", out, re.M)
-    assert len(checked) == 21, checked  # broadcast, 8 all_reduce ops, 9 other tensor ops, 3 object ops
+    check_collectives(out, nproc, common.choose_device(procs_per_node=nproc)[1])
     # the table shows every rank: the last all_to_all row of the last rank
     last = nproc - 1
     assert f"rank {last}: {[float(10 * last + j) for j in range(nproc)]}" in out
+
+
+@pytest.mark.slow
+@pytest.mark.multigpu
+def test_every_collective_on_nccl():
+    out = make("collectives", "NPROC=2", "BACKEND=nccl", timeout=120).stdout
+    check_collectives(out, 2, "nccl")
 
 
 @pytest.mark.slow
@@ -60,9 +75,8 @@ def test_hang_demo_fails_fast_and_names_the_problem():
 
 @pytest.mark.slow
 def test_backend_matrix_measures_the_gloo_cpu_marks(tmp_path):
-    res = make("backend-matrix", f"ARGS=--output-dir {tmp_path}", timeout=120)
-    if "backend gloo on cpu" not in res.stdout:
-        pytest.skip("this machine measured another backend; the recorded marks are for Gloo on CPU")
+    res = make("backend-matrix", "BACKEND=gloo", f"ARGS=--output-dir {tmp_path}", timeout=120)
+    assert "backend gloo on cpu" in res.stdout  # Gloo means CPU tensors here, on any machine
     written = list(tmp_path.glob("backend_matrix_gloo_cpu_*.md"))
     assert len(written) == 1
     rows = {}

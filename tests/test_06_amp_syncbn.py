@@ -5,6 +5,7 @@ import re
 import pytest
 import torch
 
+import common
 from harness import REPO, TORCHRUN, make, run
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
@@ -27,8 +28,10 @@ def test_bf16_with_sync_bn_converges_like_fp32(data_dir):
     args = "ARGS=" + STANDIN.format(data_dir)
     bf16 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args, timeout=240)
     fp32 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args + " --amp off", timeout=240)
-    if not torch.cuda.is_available():
+    if common.choose_device(procs_per_node=2)[0].type == "cpu":
         assert bf16.final["amp"] == "bf16" and "nn.SyncBatchNorm trains on GPUs only" in bf16.stdout
+    else:
+        assert bf16.final["amp"] == "fp16", "auto is fp16 on CUDA"
     assert bf16.final["sync_bn"] == "True" and fp32.final["amp"] == "off"
     assert bf16.final["test_samples"] == 4000
     assert fp32.final["test_acc"] > 0.94
@@ -69,17 +72,36 @@ def test_cifar_resnet_short_run_with_accumulation(tmp_path):
 
 
 def test_augment_cifar_crops_and_flips_whole_batches():
-    import common
-
     x = torch.arange(2 * 3 * 32 * 32, dtype=torch.float32).view(2, 3, 32, 32)
     out = common.augment_cifar(x, torch.Generator().manual_seed(0))
     assert out.shape == x.shape
     assert not torch.equal(out, x), "a crop offset or a flip changes the image"
 
 
+def gpu_ranks() -> list[str]:
+    """Two processes on the GPUs: NCCL on two, or sharing one through Gloo."""
+    return [] if common.gpu_count() >= 2 else ["--backend", "gloo"]
+
+
+@pytest.mark.slow
 @pytest.mark.cuda
-def test_fp16_with_grad_scaler_and_sync_batchnorm_on_a_gpu(data_dir):
-    res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "1", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
-               *STANDIN.format(data_dir).split(), "--amp", "fp16", "--sync-bn", "--epochs", "1",
-               "--max-steps", "100"], timeout=300)
-    assert res.final["amp"] == "fp16" and res.final["sync_bn"] == "True" and res.final["test_acc"] > 0.8
+def test_fp16_and_bf16_on_a_gpu_converge_like_fp32(data_dir):
+    base = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
+            *STANDIN.format(data_dir).split(), "--device", "cuda", *gpu_ranks(), "--sync-bn", "--epochs", "1"]
+    runs = {amp: run(base + ["--amp", amp], timeout=300).final for amp in ("off", "fp16", "bf16")}
+    assert all(r["amp"] == amp and r["sync_bn"] == "True" for amp, r in runs.items())
+    assert runs["off"]["test_acc"] > 0.94
+    for amp in ("fp16", "bf16"):
+        assert abs(runs[amp]["test_acc"] - runs["off"]["test_acc"]) < 0.01, runs
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+def test_nn_syncbatchnorm_uses_the_statistics_of_all_ranks():
+    """nn.SyncBatchNorm on each rank's slice equals BatchNorm2d on the global batch and the all_reduce batch norm:
+    outputs, input gradients and running statistics, on every rank (2 ranks: world size 1 would prove nothing)."""
+    out = make("syncbn-proof", "NPROC=2", f"ARGS=--device cuda {' '.join(gpu_ranks())}", timeout=180).stdout
+    m = re.search(r"result: max_diff=(\S+) plain_diff=(\S+) syncbn_diff=(\S+) equal=True", out)
+    assert m, out
+    assert float(m.group(1)) < 1e-5 and float(m.group(3)) < 1e-5
+    assert float(m.group(2)) > 0.1

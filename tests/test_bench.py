@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import common
 from harness import REPO, make
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -76,13 +77,20 @@ def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, da
             assert all(well_formed(s, positive=not k.endswith("overhead")) for k, s in data["ratios"].items())
 
     throughput = json.loads(next(out.glob("throughput_*.json")).read_text())
-    expected = {"plain", "course", "torchvision", "dataparallel", "ddp_ws1", "spawn_ws2", "torchrun_ws2"}
+    sizes = throughput["config"]["world_sizes"]  # quick: 2 where the cores or GPUs allow; none on 1 GPU
+    room = common.gpu_count() if throughput["config"]["device"] == "cuda" else throughput["config"]["cores"]
+    assert sizes == ([2] if room >= 2 else []), sizes
+    launched = {f"{launcher}_ws{n}" for n in sizes for launcher in ("spawn", "torchrun")}
+    expected = {"plain", "course", "torchvision", "dataparallel", "ddp_ws1"} | launched
     assert expected <= set(throughput["results"]), sorted(throughput["results"])
-    assert {"ddp_ws1_overhead", "speedup_ws2", "efficiency_ws2"} <= set(throughput["ratios"])
-    assert set(throughput["startup_s"]) == {"spawn_ws2", "torchrun_ws2"}
+    assert {"ddp_ws1_overhead"} | {f"{r}_ws{n}" for n in sizes for r in ("speedup", "efficiency")} \
+        <= set(throughput["ratios"])
+    assert set(throughput["startup_s"]) == launched
+    assert sizes or throughput["note"], "no multi-process variant must come with a note saying why"
 
     amp = json.loads(next(out.glob("amp_*.json")).read_text())
-    assert {"convnet/fp32", "convnet/bf16", "resnet18/fp32", "resnet18/bf16"} <= set(amp["results"])
+    lower = "bf16" if amp["config"]["device"] == "cpu" else "fp16"  # fp16 runs on every GPU; bf16 on CPUs here
+    assert {f"{m}/{p}" for m in ("convnet", "resnet18") for p in ("fp32", lower)} <= set(amp["results"])
     assert all(math.isfinite(v) for v in amp["final_loss"].values())
 
     buckets = json.loads(next(out.glob("buckets_*.json")).read_text())
@@ -107,3 +115,74 @@ def test_benchmarks_refuse_bad_input(tmp_path):
     bad = run([PYTHON, REPO / "bench/throughput.py", "--world-sizes", "2,0", "--output-dir", tmp_path], expect_rc=2)
     assert "every world size must be at least 1" in bad.stderr
     assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------ make gpu-check: what runs where
+
+NOT_RUN_BY_GPU_CHECK = {"help", "setup", "data", "test", "test-fast", "notebooks", "diffs", "lint", "clean",
+                        "distclean", "check-nproc", "check-nnodes", "bench", "bench-quick", "gpu-check"}
+
+
+def make_targets() -> set[str]:
+    import re
+
+    makefile = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    return set(" ".join(re.findall(r"^\.PHONY:(.*)$", makefile, re.M)).split())
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 8])
+def test_gpu_check_plans_every_target_for_the_gpus_present(gpus):
+    from gpu_check import plan
+
+    steps = plan(gpus, is_root=False)
+    if gpus == 0:
+        assert steps == []
+        return
+    by_target = {}
+    for step in steps:
+        if step.cmd[0] == "make":
+            by_target.setdefault(step.cmd[2], []).append(step)
+    assert set(by_target) == make_targets() - NOT_RUN_BY_GPU_CHECK, "every example target runs once"
+    assert steps[0].name == "pytest cuda/multigpu" and "cuda or multigpu" in steps[0].cmd
+
+    def var(target, name):
+        return next((a.split("=", 1)[1] for a in by_target[target][0].cmd if a.startswith(name + "=")), None)
+
+    if gpus == 1:  # several processes share the one GPU through Gloo; what needs 2 GPUs says so
+        assert var("ddp-torchrun", "NPROC") == "2" and var("ddp-torchrun", "ARGS") == "--device cuda --backend gloo"
+        assert by_target["bench-allreduce"][0].skip == "not run: needs 2 GPUs"
+        assert "needs 2 GPUs" in by_target["collectives"][0].note
+    else:  # one process per GPU with NCCL
+        assert var("ddp-torchrun", "NPROC") == str(gpus) and var("ddp-torchrun", "ARGS") is None
+        assert var("bench-allreduce", "NPROC") == str(gpus) and not by_target["bench-allreduce"][0].skip
+        assert var("multinode-tcp", "NPROC") == str(gpus // 2), "2 nodes x NPROC: one GPU per process"
+    assert var("ddp-basics", "NPROC") == (str(gpus // 2) if gpus >= 4 else ("2" if gpus == 1 else str(gpus)))
+    assert by_target["multinode-netns"][0].skip == "needs root (network namespaces)"
+    assert not plan(gpus, is_root=True)[[s.name for s in steps].index("multinode-netns")].skip
+
+
+def test_gpu_check_figures_and_goals_come_from_the_runs(tmp_path):
+    from gpu_check import figures, goals
+
+    (tmp_path / "amp_h100_2026-11-22.json").write_text(json.dumps({
+        "results": {f"resnet18/{p}": {"median": v} for p, v in (("fp32", 1000.0), ("tf32", 2500.0),
+                                                                 ("bf16", 4000.0), ("fp16", 4200.0))},
+        "ratios": {f"resnet18/{p}_vs_fp32": {"median": r} for p, r in (("tf32", 2.5), ("bf16", 4.0))}}))
+    (tmp_path / "throughput_nccl_h100_2026-11-22.json").write_text(json.dumps({
+        "ratios": {"ddp_ws1_overhead": {"median": 0.05}, "dataparallel_vs_plain": {"median": 0.97}}}))
+    rows = [{"step": "smoke", "passed": True, "final": {"dataset": "mnist-standin", "epochs": "2",
+                                                        "test_acc": "0.9851", "seconds": "3.0"}}]
+    fig = figures(rows, tmp_path, since=0, gpus=1)
+    assert fig["mnist_one_gpu"] == {"dataset": "mnist-standin", "epochs": 2, "test_acc": 0.9851,
+                                    "seconds_per_epoch": 1.5}
+    assert fig["resnet18_images_per_s"]["bf16"] == 4000.0 and fig["resnet18_vs_fp32"]["bf16"] == 4.0
+    assert fig["ddp_ws1_overhead"] == 0.05 and fig["all_reduce_busbw_GBps"] == "not run: needs 2 GPUs"
+    assert goals(fig) == {"mnist_test_acc >= 0.98": True, "mnist_epoch_s < 2": True, "resnet18 bf16 >= 2x fp32": True}
+    assert set(goals({}).values()) == {None}, "a goal that was not measured is not called met"
+
+
+def test_gpu_check_says_so_on_a_machine_without_gpus():
+    from harness import PYTHON, run
+
+    res = run([PYTHON, REPO / "bench/gpu_check.py"], env={"CUDA_VISIBLE_DEVICES": ""}, expect_rc=2)
+    assert "gpu-check needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr

@@ -96,27 +96,82 @@ def test_real_dataset_without_data_or_network_says_what_to_do(tmp_path, monkeypa
 # ------------------------------------------------------------------ device and backend
 
 
+def fake_gpus(monkeypatch, n: int, name: str = "NVIDIA Test GPU"):
+    """Make torch report `n` CUDA GPUs (n = 0: CUDA unavailable), for the choice logic only."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
+
+
 def test_cpu_machine_gets_cpu_and_gloo(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert common.choose_device_backend("auto", "auto", 2) == ("cpu", "gloo")
-    assert common.choose_device_backend("cpu", "gloo", 4) == ("cpu", "gloo")
+    fake_gpus(monkeypatch, 0)
+    cpu = torch.device("cpu")
+    assert common.choose_device("auto", "auto", procs_per_node=2) == (cpu, "gloo")
+    assert common.choose_device("cpu", "gloo", procs_per_node=4) == (cpu, "gloo")
+    assert common.choose_device("auto", None) == (cpu, None)  # a single-process script
     with pytest.raises(common.UsageError, match="nccl needs CUDA"):
-        common.choose_device_backend("auto", "nccl", 1)
-    with pytest.raises(common.UsageError, match="no CUDA GPU"):
-        common.choose_device_backend("cuda", "auto", 1)
+        common.choose_device("auto", "nccl")
+    with pytest.raises(common.UsageError, match="no usable CUDA GPU"):
+        common.choose_device("cuda", "auto")
     with pytest.raises(common.UsageError, match="at least 1"):
-        common.choose_device_backend("auto", "auto", 0)
+        common.choose_device("auto", "auto", procs_per_node=0)
 
 
-def test_gpu_machine_needs_one_gpu_per_nccl_process(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert common.choose_device_backend("auto", "auto", 2) == ("cuda", "nccl")
-    assert common.choose_device_backend("auto", "auto", 3) == ("cpu", "gloo")  # not enough GPUs: fall back
-    with pytest.raises(common.UsageError, match="one GPU per process"):
-        common.choose_device_backend("auto", "nccl", 3)
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_gpu_machines_get_one_gpu_per_nccl_process(monkeypatch, gpus):
+    fake_gpus(monkeypatch, gpus)
+    for local_rank in range(gpus):  # as many processes as GPUs: CUDA + NCCL, local rank r on cuda:r
+        assert common.choose_device("auto", "auto", local_rank=local_rank, procs_per_node=gpus) == \
+            (torch.device("cuda", local_rank), "nccl")
+    assert common.choose_device("auto", None) == (torch.device("cuda", 0), None)
+    # more processes than GPUs: auto falls back to the CPU; asking for NCCL or CUDA is refused in one line
+    assert common.choose_device("auto", "auto", procs_per_node=gpus + 1) == (torch.device("cpu"), "gloo")
+    for device, backend in (("auto", "nccl"), ("cuda", "auto"), ("cuda", "nccl")):
+        with pytest.raises(common.UsageError, match=f"one GPU per process.*NPROC={gpus}.*--backend gloo"):
+            common.choose_device(device, backend, procs_per_node=gpus + 1)
     with pytest.raises(common.UsageError, match="CUDA tensors only"):
-        common.choose_device_backend("cpu", "nccl", 1)
+        common.choose_device("cpu", "nccl")
+    assert common.choose_device("cpu", "auto", procs_per_node=gpus) == (torch.device("cpu"), "gloo")
+
+
+def test_processes_share_gpus_only_with_gloo_and_cuda_asked_for(monkeypatch):
+    fake_gpus(monkeypatch, 1)
+    placed = [common.choose_device("cuda", "gloo", local_rank=r, procs_per_node=3) for r in range(3)]
+    assert placed == [(torch.device("cuda", 0), "gloo")] * 3
+    fake_gpus(monkeypatch, 2)
+    placed = [common.choose_device("cuda", "gloo", local_rank=r, procs_per_node=4)[0].index for r in range(4)]
+    assert placed == [0, 1, 0, 1], "local rank r uses cuda:r % GPUs"
+
+
+def test_runtime_report_names_the_build_and_says_loudly_when_gpus_go_unused(monkeypatch):
+    fake_gpus(monkeypatch, 0)
+    monkeypatch.setattr(common.shutil, "which", lambda name: None)
+    first = common.runtime_report(torch.device("cpu"), "gloo", 2)
+    assert first.startswith(f"torch {torch.__version__} (CUDA {torch.version.cuda}), no CUDA GPU visible; "
+                            "this run: 2 process(es) per node on cpu with gloo")
+    assert "NOTE" not in first
+    monkeypatch.setattr(common.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    assert "NOTE: nvidia-smi is installed but torch sees no usable GPU" in \
+        common.runtime_report(torch.device("cpu"), "gloo", 2)
+
+    fake_gpus(monkeypatch, 1, "NVIDIA H100 80GB HBM3")
+    report = common.runtime_report(torch.device("cpu"), "gloo", 2)
+    assert "1 GPU(s): NVIDIA H100 80GB HBM3" in report
+    assert "NOTE: THIS RUN USES THE CPU although 1 GPU(s) are visible" in report and "NPROC=1" in report
+    assert "--device cpu was asked for" in common.runtime_report(torch.device("cpu"), "gloo", 1)
+    assert "share 1 GPU(s) through Gloo" in common.runtime_report(torch.device("cuda", 0), "gloo", 2)
+    assert "NOTE" not in common.runtime_report(torch.device("cuda", 0), "nccl", 1)
+
+
+def test_gpus_older_than_the_build_are_not_used(monkeypatch):
+    """A GPU below the build's lowest compute capability has no kernels: the CPU runs, and a NOTE says why."""
+    fake_gpus(monkeypatch, 2, "Tesla P100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (6, 0))
+    assert common.gpu_count() == 0
+    assert common.choose_device("auto", "auto", procs_per_node=2) == (torch.device("cpu"), "gloo")
+    report = common.runtime_report(torch.device("cpu"), "gloo", 2)
+    assert "THIS RUN USES THE CPU" in report and "Tesla P100 (6.0)" in report
 
 
 def _parser(distributed=True):
@@ -127,12 +182,17 @@ def _parser(distributed=True):
 
 @pytest.mark.parametrize("argv, message", [
     (["--dataset", "imagenet"], "invalid choice"),
-    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--epochs", "0"], "argument --epochs: expected a whole number of at least 1, got '0'"),
+    (["--epochs", "abc"], "argument --epochs: expected a whole number of at least 1, got 'abc'"),
+    (["--batch-size", "-3"], "argument --batch-size: expected a whole number of at least 1"),
+    (["--max-steps", "-1"], "argument --max-steps: expected 0 (off) or a positive whole number"),
+    (["--lr", "nan"], "argument --lr: expected a positive number, got 'nan'"),
+    (["--lr", "0"], "argument --lr: expected a positive number"),
+    (["--timeout", "inf"], "argument --timeout: expected a positive number, got 'inf'"),
     (["--backend", "nccl"], "nccl needs CUDA"),
-    (["--timeout", "0"], "--timeout must be positive"),
 ])
 def test_bad_arguments_end_in_one_clear_line(argv, message, capsys, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake_gpus(monkeypatch, 0)
     parser = _parser()
     with pytest.raises(SystemExit) as exc:
         common.check_args(parser, parser.parse_args(argv))
@@ -211,7 +271,41 @@ def test_rng_state_round_trip_and_weights_only(tmp_path):
     common.atomic_save(common.rng_state(), tmp_path / "rng.pt")
     expected = torch.rand(3)
     torch.rand(10)
-    common.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    common.set_rng_state(common.load_checkpoint(tmp_path / "rng.pt"))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_checkpoint_written_on_a_gpu_resumes_on_a_cpu(tmp_path, monkeypatch):
+    """A file whose tensors say "cuda:0" (as one saved by a GPU run does) loads and restores here.
+
+    torch.save records each tensor's device; a plain torch.load puts it back there, and a GPU checkpoint
+    loaded with map_location=<a GPU> puts the RNG state on the GPU, which torch.set_rng_state refuses.
+    load_checkpoint maps everything to the CPU, and set_rng_state moves states to the CPU itself.
+    """
+    import torch.serialization as ser
+
+    model = common.ConvNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 1, 28, 28)).sum().backward()
+    optimizer.step()
+    common.seed_everything(3)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": common.rng_state()}
+    expected = torch.rand(3)
+    registry = list(ser._package_registry)
+    monkeypatch.setattr(ser, "_package_registry", [(0, lambda storage: "cuda:0", lambda s, loc: None)] + registry)
+    common.atomic_save(state, tmp_path / "gpu.pt")  # every storage tagged as living on cuda:0
+    monkeypatch.setattr(ser, "_package_registry", registry)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        torch.load(tmp_path / "gpu.pt", weights_only=True)  # the naive load wants the GPU back
+
+    loaded = common.load_checkpoint(tmp_path / "gpu.pt")
+    fresh = common.ConvNet()
+    fresh.load_state_dict(loaded["model"])
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    fresh_optimizer.load_state_dict(loaded["optimizer"])
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
+    torch.rand(5)
+    common.set_rng_state(loaded["rng"])
     assert torch.equal(torch.rand(3), expected)
 
 

@@ -63,8 +63,8 @@ import torch
 import common
 
 for nproc in (1, 2):
-    device, backend = common.choose_device_backend(nproc_per_node=nproc)
-    print(f"{nproc} process(es) per node -> device={device} backend={backend}")
+    device, backend = common.choose_device(procs_per_node=nproc)
+    print(f"{nproc} process(es) per node -> device={device.type} backend={backend}")
 print("CUDA GPUs visible:", torch.cuda.device_count())"""),
     md("""## The baseline, run from here
 
@@ -111,7 +111,8 @@ assert "Outside: input size [10, 5] output size [10, 2]" in out"""),
 The same short run twice: the plain baseline and the DataParallel version. On a CPU machine DataParallel calls
 the model directly, so the two must print exactly the same losses: the wrapper changes nothing but the keys of
 the state dict (`module.` prefix), which is why the script saves `model.module.state_dict()`."""),
-    code("""common_args = "--dataset mnist-standin --epochs 1 --max-steps 100 --log-every 25"
+    code("""# NBVAL_IGNORE_OUTPUT
+common_args = "--dataset mnist-standin --epochs 1 --max-steps 100 --log-every 25"
 single = run(f"python 01_dataparallel/mnist_single.py {common_args}")
 print()
 dp = run(f"python 01_dataparallel/mnist_dataparallel.py {common_args}")"""),
@@ -127,6 +128,8 @@ print("baseline:    ", losses(single))
 print("DataParallel:", losses(dp))
 if not torch.cuda.is_available():
     assert losses(single) == losses(dp), "without a GPU, DataParallel must not change the numbers"
+else:
+    assert "nn.DataParallel over GPUs" in dp
 assert final(dp)["test_samples"] == "4000\""""),
     md("""On GPUs the numbers differ a little: the batch is split, and float sums over pieces round differently.
 Next: [02_ddp_spawn.ipynb](02_ddp_spawn.ipynb), where each device gets its own process."""),
@@ -298,7 +301,7 @@ runs with 4 processes; the tables for `all_reduce` and `reduce_scatter` are draw
 
 from nbhelpers import run
 
-out = run("make --no-print-directory collectives NPROC=4", quiet=True)
+out = run("make --no-print-directory collectives NPROC=4 BACKEND=gloo", quiet=True)  # Gloo: CPU tensors
 assert "result: all collectives correct" in out
 
 
