@@ -3,7 +3,7 @@
 # Variables: NPROC (processes per node; default: one per GPU, or 2 without GPUs), NNODES (nodes for the multinode
 # targets, default 2), BACKEND (gloo|nccl, default auto),
 # EPOCHS and DATASET (passed to the training scripts when set), ARGS (passed through as is),
-# BENCH_OUT (where the benchmarks write, default bench/results).
+# BENCH_OUT (where the benchmarks write, default runs/bench; bench/results holds the recorded ones).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -24,15 +24,21 @@ ARGS    ?=
 # flags for every training script; distributed ones also get the backend
 TRAIN_ARGS := $(if $(EPOCHS),--epochs $(EPOCHS)) $(if $(DATASET),--dataset $(DATASET)) $(ARGS)
 DIST_ARGS  := $(if $(BACKEND),--backend $(BACKEND)) $(TRAIN_ARGS)
+# processes this machine runs at once (the multinode targets run every "node" here: NNODES x NPROC)
+LOCAL_PROCS = $(NPROC)
+comma := ,
+# One process checks the arguments and prepares the data before torchrun starts NPROC of them, so that a mistake
+# is one line instead of one error per process followed by torchrun's failure summary (see common.check_args).
+CHECK = COURSE_CHECK_ONLY=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=$(NPROC) LOCAL_WORLD_SIZE=$(NPROC) $(PY)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data smoke test test-fast notebooks diffs lint clean distclean check-nproc \
-        dataparallel dp-shapes ddp-basics ddp-equivalence ddp-spawn \
-        ddp-torchrun init-check elastic-ddp ddp-elastic elastic-stress launch-legacy \
-        multinode-tcp multinode-file multinode-torchrun multinode-netns check-nnodes \
-        collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo \
+.PHONY: help setup data smoke test test-fast notebooks diffs mutants lint clean distclean check-nproc \
+        dataparallel dp-shapes ddp-basics ddp-equivalence ddp-spawn ddp-timeline \
+        ddp-torchrun init-check ddp-minimal elastic-restart elastic-stress exit-stress launch-legacy \
+        multinode-tcp multinode-file multinode-torchrun multinode-spawn multinode-netns check-nnodes \
+        collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo errors \
         amp-syncbn syncbn-proof grad-accum cifar-resnet \
-        bench bench-quick bench-throughput bench-amp bench-buckets bench-allreduce gpu-check
+        bench bench-quick bench-throughput bench-amp bench-buckets bench-allreduce bench-hooks gpu-check
 
 help: ## list the targets
 	@echo "usage: make TARGET [NPROC=$(NPROC)] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
@@ -57,8 +63,16 @@ data: $(STAMP) ## download real MNIST and CIFAR-10 into data/ (needs internet), 
 	$(PY) -c 'import common; [print(n, "->", common.try_download(n, "data") or "ok") for n in ("mnist", "cifar10")]'
 	$(PY) -c 'import common; [common.prepare_data(n, "data") for n in ("mnist-standin", "cifar10-standin")]'
 
+# NPROC must be a number; processes beyond the cores are slower, not faster (a warning); processes that cannot
+# fit in memory (about 1 GB each with this torch) are refused before any starts, not killed one by one later
 check-nproc:
 	@case "$(NPROC)" in ''|*[!0-9]*|0) echo "error: NPROC must be a whole number of at least 1 (got '$(NPROC)')" >&2; exit 2;; esac
+	@procs=$(LOCAL_PROCS); cores=$$(nproc 2>/dev/null || echo $$procs); \
+	  free=$$(awk '/^MemAvailable:/ {print int($$2 / 1024)}' /proc/meminfo 2>/dev/null); free=$${free:-0}; \
+	  if [ "$$free" -gt 0 ] && [ $$((procs * 1000)) -gt "$$free" ]; then \
+	    echo "error: $$procs processes need about $$procs GB of memory (about 1 GB each) and $$free MB are available; use fewer (NPROC)" >&2; exit 2; fi; \
+	  if [ "$$procs" -gt "$$cores" ] && [ "$(GPUS)" = 0 ]; then \
+	    echo "WARNING: $$procs processes on $$cores CPU cores: each gets a share of a core, so this is slower than NPROC=$$cores, not faster"; fi
 
 check-nnodes:
 	@case "$(NNODES)" in ''|*[!0-9]*|0) echo "error: NNODES must be a whole number of at least 1 (got '$(NNODES)')" >&2; exit 2;; esac
@@ -88,23 +102,29 @@ ddp-equivalence: $(STAMP) check-nproc ## proof that DDP averages gradients (and 
 ddp-spawn: $(STAMP) check-nproc ## MNIST with DDP, NPROC processes started by mp.spawn
 	$(PY) 02_ddp_spawn/mnist_spawn.py --nproc $(NPROC) $(DIST_ARGS)
 
+ddp-timeline: $(STAMP) check-nproc ## see DDP's all-reduce overlap backward: per-rank timelines, traces, PNGs (runs/timeline)
+	$(PY) 02_ddp_spawn/ddp_timeline.py --nproc $(NPROC) $(ARGS)
+
 # ------------------------------------------------------------------ 03: torchrun
 
-TORCHRUN := $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
+# --local-addr: single-node jobs never depend on this machine's host name resolving (it may not)
+TORCHRUN := $(VENV)/bin/torchrun --standalone --local-addr 127.0.0.1 --nproc-per-node $(NPROC)
 ELASTIC  ?= runs/elastic
 # the failure demo: rank 1 crashes at this step (counted over epochs) on the first attempt only
 FAIL_AT  ?= 250
 
 ddp-torchrun: $(STAMP) check-nproc ## MNIST with DDP, NPROC processes started by torchrun (the headline run)
+	@$(CHECK) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 	$(TORCHRUN) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 
 init-check: $(STAMP) check-nproc ## can a process group form? each rank reports, one all_reduce proves it
 	$(TORCHRUN) 03_ddp_torchrun/init_check.py $(if $(BACKEND),--backend $(BACKEND)) $(ARGS)
 
-elastic-ddp: $(STAMP) check-nproc ## the smallest torchrun + DDP program (a linear model on a range of numbers)
+ddp-minimal: $(STAMP) check-nproc ## the smallest torchrun + DDP program, elastic_ddp.py (a line learned from numbers)
 	$(TORCHRUN) 03_ddp_torchrun/elastic_ddp.py
 
-ddp-elastic: $(STAMP) check-nproc ## a worker crashes once, torchrun restarts the group, training resumes: same weights
+elastic-restart: $(STAMP) check-nproc ## a worker crashes once, torchrun restarts the group, training resumes: same weights
+	@$(CHECK) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 	@rm -rf $(ELASTIC)
 	@echo "--- 1/3 an uninterrupted run"
 	$(TORCHRUN) 03_ddp_torchrun/mnist_torchrun.py --checkpoint-dir $(ELASTIC)/straight $(DIST_ARGS)
@@ -114,30 +134,40 @@ ddp-elastic: $(STAMP) check-nproc ## a worker crashes once, torchrun restarts th
 	@echo "--- 3/3 compare the final weights"
 	$(PY) 03_ddp_torchrun/compare_checkpoints.py $(ELASTIC)/straight/mnist_torchrun.pt $(ELASTIC)/recovered/mnist_torchrun.pt
 
-elastic-stress: $(STAMP) check-nproc ## the failure demo 10 times on short epochs; fails unless every run recovers
-	@ok=0; for i in 1 2 3 4 5 6 7 8 9 10; do \
-	  if $(MAKE) --no-print-directory ddp-elastic ELASTIC=$(ELASTIC)-stress FAIL_AT=20 \
-	       ARGS="--max-steps 15 --epochs 2 --timeout 30 $(ARGS)" > $(ELASTIC)-stress.log 2>&1; then \
-	    ok=$$((ok + 1)); echo "run $$i: recovered, identical weights"; \
-	  else echo "run $$i: FAILED (log: $(ELASTIC)-stress.log)"; cp $(ELASTIC)-stress.log $(ELASTIC)-stress-$$i.log; fi; \
-	done; echo "$$ok/10 runs recovered"; test $$ok = 10
+# Repeated runs, with and without the workaround each one proves still needed (see workarounds.py); the record
+# goes to BENCH_OUT as stress_<name>_<machine>_<date>.json. RUNS=N runs of each.
+RUNS ?= 10
+elastic-stress: $(STAMP) check-nproc ## the restart demo RUNS times with and RUNS times without the per-attempt store
+	$(PY) bench/stress.py elastic --runs $(RUNS) --nproc $(NPROC) --output-dir $(BENCH_OUT) $(ARGS)
+
+exit-stress: $(STAMP) ## a finished 3-rank job RUNS times, leaving with and without os._exit: how often it aborts
+	$(PY) bench/stress.py exit --runs $(RUNS) --output-dir $(BENCH_OUT) $(ARGS)
 
 launch-legacy: $(STAMP) check-nproc ## the deprecated python -m torch.distributed.launch (passes --local-rank)
+	@$(CHECK) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 	$(PY) -m torch.distributed.launch --nproc-per-node $(NPROC) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 
 # ------------------------------------------------------------------ 04: several nodes
 
 RDZV ?= static
 
-multinode-tcp: $(STAMP) check-nproc check-nnodes ## NNODES "nodes" x NPROC processes here, each started by hand with tcp://
+multinode-tcp multinode-file multinode-torchrun: LOCAL_PROCS = $(shell echo $$(( $(NNODES) * $(NPROC) )))
+
+multinode-tcp: $(STAMP) check-nnodes check-nproc ## NNODES "nodes" x NPROC processes here, each started by hand with tcp://
 	PYTHON=$(PY) bash 04_multinode_tcp/launch_local.sh tcp $(NNODES) $(NPROC) $(DIST_ARGS)
 
-multinode-file: $(STAMP) check-nproc check-nnodes ## the same, meeting through a fresh file:// path instead
+multinode-file: $(STAMP) check-nnodes check-nproc ## the same, meeting through a fresh file:// path instead
 	PYTHON=$(PY) bash 04_multinode_tcp/launch_local.sh file $(NNODES) $(NPROC) $(DIST_ARGS)
 
-multinode-torchrun: $(STAMP) check-nproc check-nnodes ## NNODES torchrun agents here; RDZV=static (default) or c10d
+multinode-torchrun: $(STAMP) check-nnodes check-nproc ## NNODES torchrun agents here; RDZV=static (default) or c10d
 	PYTHON=$(PY) bash 04_multinode_tcp/launch_torchrun_nodes.sh $(RDZV) $(NNODES) $(NPROC) $(DIST_ARGS)
 
+PROCS ?= 2,1
+multinode-spawn: LOCAL_PROCS = $(shell echo $$(( $(subst $(comma),+,$(PROCS)) )) 2>/dev/null)
+multinode-spawn: $(STAMP) check-nproc ## one command per "machine" spawns its processes; PROCS=2,1: machines of 2 and 1
+	$(PY) 04_multinode_tcp/spawn_per_node.py --nproc-per-node $(PROCS) --simulate-nodes $(ARGS)
+
+multinode-netns: LOCAL_PROCS = $(shell echo $$(( 2 * $(NPROC) )))
 multinode-netns: $(STAMP) check-nproc ## two real hosts in network namespaces (needs root); NPROC per host
 	PYTHON=$(PY) bash 04_multinode_tcp/netns_2hosts.sh $(NPROC) $(DIST_ARGS)
 
@@ -149,9 +179,9 @@ collectives: $(STAMP) check-nproc ## every collective on small tensors, before/a
 p2p: $(STAMP) check-nproc ## send/recv, isend/irecv and a ring with batch_isend_irecv
 	$(TORCHRUN) 05_collectives/p2p.py $(ARGS)
 
-backend-matrix: $(STAMP) ## measure which ops and dtypes this backend supports; writes bench/results/
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 05_collectives/backend_matrix.py \
-	  $(if $(BACKEND),--backend $(BACKEND)) --output-dir bench/results $(ARGS)
+backend-matrix: $(STAMP) ## measure which ops and dtypes this backend supports (ARGS="--output-dir DIR" keeps it)
+	$(VENV)/bin/torchrun --standalone --local-addr 127.0.0.1 --nproc-per-node 2 05_collectives/backend_matrix.py \
+	  $(if $(BACKEND),--backend $(BACKEND)) $(ARGS)
 
 ddp-eval: $(STAMP) check-nproc ## exact distributed evaluation with reduce vs the padded DistributedSampler count
 	$(TORCHRUN) 05_collectives/distributed_eval.py $(ARGS)
@@ -167,9 +197,13 @@ hang-demo: $(STAMP) check-nproc ## a rank takes a different path: fails in secon
 	@if $(TORCHRUN) 05_collectives/hang_demo.py --mode straggler $(ARGS); then \
 	  echo "error: the straggler was not detected"; exit 1; else echo "--- failed in seconds, as it should"; fi
 
+errors: $(STAMP) ## the error gallery: each classic DDP error made on purpose, broken then fixed (about 2 minutes)
+	$(PY) 05_collectives/error_gallery.py $(ARGS)
+
 # ------------------------------------------------------------------ 06: mixed precision and SyncBatchNorm
 
 amp-syncbn: $(STAMP) check-nproc ## MNIST with autocast (bf16 on CPU, fp16 + GradScaler on GPU) and SyncBatchNorm
+	@$(CHECK) 06_amp_syncbn/mnist_amp_syncbn.py --sync-bn $(DIST_ARGS)
 	$(TORCHRUN) 06_amp_syncbn/mnist_amp_syncbn.py --sync-bn $(DIST_ARGS)
 
 syncbn-proof: $(STAMP) check-nproc ## the all_reduce batch norm equals BatchNorm2d over the global batch
@@ -179,24 +213,26 @@ grad-accum: $(STAMP) check-nproc ## gradient accumulation with no_sync: same gra
 	$(TORCHRUN) 06_amp_syncbn/grad_accumulation.py $(ARGS)
 
 cifar-resnet: $(STAMP) check-nproc ## ResNet-18 on CIFAR-10 (the stand-in offline): augmentation, AMP, eval, resume
+	@$(CHECK) 06_amp_syncbn/cifar_resnet.py $(if $(EPOCHS),,--epochs 1 --max-steps 25) $(DIST_ARGS)
 	$(TORCHRUN) 06_amp_syncbn/cifar_resnet.py $(if $(EPOCHS),,--epochs 1 --max-steps 25) $(DIST_ARGS)
 
 # ------------------------------------------------------------------ benchmarks
 
-# Every benchmark writes NAME_BACKEND_MACHINE_DATE.{json,md,png} into BENCH_OUT. They run one after the other,
-# never side by side: two benchmarks at once would measure each other.
-BENCH_OUT  ?= bench/results
+# Every benchmark writes NAME_BACKEND_MACHINE_DATE.{json,md,png} into BENCH_OUT (runs/bench: nothing tracked is
+# overwritten; BENCH_OUT=bench/results records them). They run one after the other, never side by side: two
+# benchmarks at once would measure each other.
+BENCH_OUT  ?= runs/bench
 BENCH_DATA ?= data
 QUICK      ?=
-BENCH_RUN := $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
+BENCH_RUN := $(VENV)/bin/torchrun --standalone --local-addr 127.0.0.1 --nproc-per-node $(NPROC)
 
 bench: $(STAMP) check-nproc ## the full benchmark set, one after the other (about 5 minutes on 2 CPU cores)
-	@$(MAKE) --no-print-directory bench-throughput bench-amp bench-buckets bench-allreduce ARGS=
+	@$(MAKE) --no-print-directory bench-throughput bench-amp bench-buckets bench-allreduce bench-hooks ARGS=
 	@echo "results in $(BENCH_OUT)/; bench/README.md explains how to read them"
 
-bench-quick: $(STAMP) check-nproc ## every benchmark at tiny sizes (under a minute): proves they run; writes bench/results/quick/
-	@$(MAKE) --no-print-directory bench-throughput bench-amp bench-buckets bench-allreduce ARGS= QUICK=--quick \
-	  BENCH_OUT=$(if $(filter bench/results,$(BENCH_OUT)),bench/results/quick,$(BENCH_OUT))
+bench-quick: $(STAMP) check-nproc ## every benchmark at tiny sizes (under a minute): proves they run; runs/bench/quick/
+	@$(MAKE) --no-print-directory bench-throughput bench-amp bench-buckets bench-allreduce bench-hooks ARGS= QUICK=--quick \
+	  BENCH_OUT=$(if $(filter runs/bench,$(BENCH_OUT)),runs/bench/quick,$(BENCH_OUT))
 
 bench-throughput: $(STAMP) ## ConvNet images/s: plain, course loop, DataParallel, DDP ws1, mp.spawn and torchrun ws2
 	$(PY) bench/throughput.py --output-dir $(BENCH_OUT) --data-dir $(BENCH_DATA) $(QUICK) \
@@ -211,8 +247,11 @@ bench-buckets: $(STAMP) check-nproc ## DDP bucket_cap_mb sweep for ResNet-18 wit
 bench-allreduce: $(STAMP) check-nproc ## collectives and a p2p ring from 4 KB to 256 MB: latency, algbw, busbw
 	$(BENCH_RUN) bench/allreduce_sweep.py --output-dir $(BENCH_OUT) $(QUICK) $(ARGS)
 
+bench-hooks: $(STAMP) check-nproc ## DDP comm hooks: all_reduce vs fp16/bf16 compression vs PowerSGD (bytes, speed, accuracy)
+	$(BENCH_RUN) bench/comm_hooks.py --output-dir $(BENCH_OUT) --data-dir $(BENCH_DATA) $(QUICK) $(ARGS)
+
 gpu-check: $(STAMP) ## on a GPU machine: the GPU tests, every target on CUDA, GPU figures -> bench/results/gpu_check_*
-	$(PY) bench/gpu_check.py --output-dir $(BENCH_OUT) $(ARGS)
+	$(PY) bench/gpu_check.py --output-dir bench/results $(ARGS)
 
 # ------------------------------------------------------------------ tests and tools
 
@@ -226,11 +265,17 @@ test: $(STAMP) ## lint, then everything that runs on CPU: unit, multi-process an
 test-fast: $(STAMP) ## the quick subset for the edit loop (no slow multi-process runs, no notebooks)
 	$(PYTEST) tests -m "not slow"
 
-notebooks: $(STAMP) ## execute every notebook and compare it with its saved output (nbval)
-	$(PYTEST) notebooks $(NBVAL)
+notebooks: $(STAMP) ## write each .ipynb from its .py source (jupytext), execute it, keep its outputs
+	@cd notebooks && for nb in $(if $(NB),$(notdir $(NB)),0*.py); do echo "--- $$nb"; \
+	  ../$(VENV)/bin/jupytext --quiet --to ipynb --update "$$nb" && \
+	  ../$(PY) -m jupyter nbconvert --log-level WARN --to notebook --execute --inplace "$${nb%.py}.ipynb" || exit 1; \
+	done
 
 diffs: $(STAMP) ## rewrite the step-to-step diffs of the MNIST chain in the section READMEs
 	$(PY) tools/chain_diffs.py --write
+
+mutants: $(STAMP) ## break mnist_spawn.py on purpose (sampler, set_epoch, DDP, all_reduce, buffers): tests must go red
+	$(PY) tools/mutants.py $(ARGS)
 
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .

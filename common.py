@@ -1,150 +1,221 @@
-"""The boring, non-distributed parts that every script of the course shares.
+"""The boring, non-distributed parts that every training script of the course calls, in the order it calls them.
 
-Models, data sets (real torchvision loaders and offline stand-ins), seeding, device and
-backend choice, command-line defaults, rank-0 printing, progress bars, atomic file writes
-and free ports. Nothing in this file calls torch.distributed: every line that is about
-distribution lives in the numbered script that teaches it.
+The command line and its checks, the device and backend, the data, seeding, models, checkpoints, printing and
+evaluation. Nothing in this file calls torch.distributed: every line that is about distribution lives in the
+numbered script that teaches it. Generating the offline stand-in data sets is standins.py's job; workarounds
+for torch bugs are in workarounds.py.
 
-Copy this file next to any script of the course and the script runs on its own.
+Copy a script together with this file (and what it imports) into a folder, and it runs there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
-import pickle
 import random
 import re
 import shutil
 import socket
-import struct
 import sys
 import tempfile
+import threading
 import time
+import zlib
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
 from tqdm import tqdm
 
-# --------------------------------------------------------------------------- models
+# --------------------------------------------------------------------------- command line
 
 
-class ConvNet(nn.Module):
-    """The small MNIST network of the course: two conv + BatchNorm + pool blocks, one linear layer."""
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a mistake reported in one line (no usage block), and once per job.
 
-    def __init__(self, num_classes: int = 10):
-        super().__init__()
-        self.layer1 = nn.Sequential(
-            nn.Conv2d(1, 16, kernel_size=5, padding=2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2)
-        )
-        self.layer2 = nn.Sequential(
-            nn.Conv2d(16, 32, kernel_size=5, padding=2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2)
-        )
-        self.fc = nn.Linear(7 * 7 * 32, num_classes)
-
-    def forward(self, x):
-        x = self.layer2(self.layer1(x))
-        return self.fc(x.flatten(1))
-
-
-class ToyModel(nn.Module):
-    """Two linear layers (10 -> 10 -> 5): big enough to have gradients, small enough to print."""
-
-    def __init__(self):
-        super().__init__()
-        self.net1 = nn.Linear(10, 10)
-        self.relu = nn.ReLU()
-        self.net2 = nn.Linear(10, 5)
-
-    def forward(self, x):
-        return self.net2(self.relu(self.net1(x)))
-
-
-class ToyMpModel(nn.Module):
-    """ToyModel split over two devices (model parallelism): net1 on dev0, net2 on dev1."""
-
-    def __init__(self, dev0, dev1):
-        super().__init__()
-        self.dev0, self.dev1 = torch.device(dev0), torch.device(dev1)
-        self.net1 = nn.Linear(10, 10).to(self.dev0)
-        self.relu = nn.ReLU()
-        self.net2 = nn.Linear(10, 5).to(self.dev1)
-
-    def forward(self, x):
-        x = self.relu(self.net1(x.to(self.dev0)))
-        return self.net2(x.to(self.dev1))
-
-
-def resnet18_cifar(num_classes: int = 10) -> nn.Module:
-    """torchvision's ResNet-18 adapted to 32x32 images: a 3x3 stem with stride 1 and no max-pool."""
-    from torchvision.models import resnet18
-
-    model = resnet18(num_classes=num_classes)
-    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    model.maxpool = nn.Identity()
-    return model
-
-
-class RandomDataset(Dataset):
-    """`length` random vectors of size `features` (the DataParallel shape demo's input)."""
-
-    def __init__(self, length: int, features: int, seed: int = 0):
-        self.data = torch.randn(length, features, generator=torch.Generator().manual_seed(seed))
-
-    def __getitem__(self, index):
-        return self.data[index]
-
-    def __len__(self):
-        return len(self.data)
-
-
-class RangeDataset(Dataset):
-    """The numbers 0 .. length-1 as floats: easy to see which sample went to which rank."""
-
-    def __init__(self, length: int):
-        self.data = torch.arange(length, dtype=torch.float32)
-
-    def __getitem__(self, index):
-        return self.data[index]
-
-    def __len__(self):
-        return len(self.data)
-
-
-# --------------------------------------------------------------------------- seeding and devices
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python and torch (every device), and make cuDNN pick deterministic algorithms, so that two
-    runs with the same seed compute the same weights (the resume and restart demos compare them bitwise)."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    torch.backends.cudnn.deterministic = True  # on a GPU; no effect on the CPU
-    torch.backends.cudnn.benchmark = False
-
-
-def share_cpu_threads(procs_per_node: int) -> int:
-    """Give each of `procs_per_node` CPU processes its share of the cores; return the thread count.
-
-    Every process otherwise starts one thread per core, and N processes fight over the same
-    cores (2.7x slower measured with 2 processes on 2 cores). torchrun sets OMP_NUM_THREADS=1
-    for you; mp.spawn and hand-started processes do not. An OMP_NUM_THREADS you set wins.
+    Under torchrun every process parses the same command line; only rank 0 (or a process started
+    without a launcher) prints the error, and every process exits with code 2.
     """
-    if "OMP_NUM_THREADS" in os.environ:
-        return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // max(1, procs_per_node))
-    torch.set_num_threads(threads)
-    return threads
+
+    def error(self, message):
+        if _speaks_for_the_job():
+            about_flags = message.startswith(("argument ", "unrecognized arguments", "the following arguments"))
+            hints = [f"the source notes' {flag} -> {NOTES_SPELLINGS[flag]}" for flag in _unrecognized(message)
+                     if flag in NOTES_SPELLINGS]
+            said = "; ".join(hints) if hints else "--help lists them" if about_flags else ""
+            sys.stderr.write(f"{self.prog}: error: {message}{f' ({said})' if said else ''}\n")
+        self.exit(2)
+
+
+# flags of the source notes' scripts that a course script does not take, and what it takes instead
+NOTES_SPELLINGS = {
+    "--num_epochs": "--epochs", "--learning_rate": "--lr", "--random_seed": "--seed",
+    "--model_dir": "--checkpoint-dir", "--model_filename": "--checkpoint-dir (the file name is fixed)",
+    "--resume": "nothing: a run continues the checkpoint in --checkpoint-dir by itself",
+    "--local_world_size": "one process per GPU, torchrun --nproc-per-node N (DDP(device_ids=[a, b]) raises)",
+    "--master_addr": "--init-method tcp://ADDR:PORT in 04_multinode_tcp (or torchrun --master-addr)",
+    "--master_port": "--init-method tcp://ADDR:PORT in 04_multinode_tcp (or torchrun --master-port)",
+    "--node_rank": "torchrun's --node-rank (or 04_multinode_tcp/mnist_tcp.py --node-rank)",
+    "--nproc_per_node": "torchrun's --nproc-per-node", "--world_size": "torchrun's --nnodes x --nproc-per-node",
+    "-g": "CUDA_VISIBLE_DEVICES=N in front of the command", "--gpuid": "CUDA_VISIBLE_DEVICES=N in front of the command",
+}
+
+
+def _unrecognized(message: str) -> list[str]:
+    if not message.startswith("unrecognized arguments:"):
+        return []
+    return [word.split("=")[0] for word in message.split(":", 1)[1].split() if word.startswith("-")]
+
+def _speaks_for_the_job() -> bool:
+    """Rank 0 speaks for everyone; so does a process started alone, or one whose RANK makes no sense."""
+    try:
+        rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return True
+    return rank == 0 or not 0 <= rank < size
+
+
+def training_parser(doc: str, *, amp: bool = False, **defaults) -> ArgumentParser:
+    """The parser of a training script: the module docstring's first sentence as description, the shared flags.
+
+    The source notes' --use_mix_precision is refused with a pointer to step 6 unless the script has AMP (amp=True).
+    """
+    parser = ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
+    add_common_args(parser, **defaults)
+    if not amp:
+        refuse(parser, "--use_mix_precision", "--use-mix-precision", why="mixed precision is the lesson of step 6: "
+               "06_amp_syncbn/mnist_amp_syncbn.py --use_mix_precision (or --amp fp16)")
+    if not defaults.get("distributed", True):
+        refuse(parser, "-g", "--gpuid", why="one process uses the first visible GPU: choose it with "
+               "CUDA_VISIBLE_DEVICES=N in front of the command (or --device cpu)")
+    return parser
+
+MNIST_DATASETS = ("auto", "mnist", "mnist-standin")
+
+CIFAR_DATASETS = ("auto", "cifar10", "cifar10-standin")
+
+def _number(kind, low: float, low_ok: bool, what: str):
+    """An argparse type: a finite number of `kind` above `low` (or equal to it when low_ok)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not low_ok):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+positive_int = _number(int, 1, True, "a whole number of at least 1")
+
+count_or_zero = _number(int, 0, True, "0 (off) or a positive whole number")
+
+positive_float = _number(float, 0.0, False, "a positive number")
+
+def add_common_args(parser: argparse.ArgumentParser, *, family: str = "mnist", epochs: int = 2,
+                    batch_size: int = 64, lr: float = 0.01, distributed: bool = True) -> None:
+    """The flags every training script shares (see the course README for their meaning).
+
+    Their types check the numbers, so that `--lr nan` or `--epochs -1` end in one line of argparse.
+    """
+    choices = MNIST_DATASETS if family == "mnist" else CIFAR_DATASETS
+    parser.add_argument("--epochs", "-e", type=positive_int, default=epochs,
+                        help="passes over the training set (default %(default)s)")
+    parser.add_argument("--batch-size", "--batch_size", "-b", type=positive_int, default=batch_size,
+                        help="samples per step per process (default %(default)s)")
+    parser.add_argument("--lr", type=positive_float, default=lr, help="learning rate (default %(default)s)")
+    parser.add_argument("--dataset", default="auto", choices=choices,
+                        help="real data, the offline stand-in, or auto: real when present or downloadable")
+    parser.add_argument("--data-dir", default="data", help="where data sets live (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
+    parser.add_argument("--max-steps", type=count_or_zero, default=0,
+                        help="stop each epoch after this many steps; 0 = whole epoch (for smoke runs)")
+    parser.add_argument("--log-every", type=count_or_zero, default=0,
+                        help="print the training loss every N steps (rank 0); 0 = only once per epoch")
+    parser.add_argument("--checkpoint-dir", default="",
+                        help="write a checkpoint here after every epoch, and continue from it (default: none)")
+    parser.add_argument("--show-shards", action="store_true",
+                        help="print, per rank and epoch, a digest of the samples it trains on (the tests use it)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="auto = CUDA when there is a GPU for every process, else CPU")
+    if distributed:
+        parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                            help="auto = NCCL on CUDA, Gloo on CPU")
+        parser.add_argument("--timeout", type=positive_float, default=60.0,
+                            help="seconds any collective may wait before the job fails (default %(default)s)")
+
+def local_rank_arg(text: str) -> int:
+    """--local-rank as the deprecated torch.distributed.launch passes it: one whole number."""
+    if "," in text:
+        raise argparse.ArgumentTypeError(f"got {text!r}: torchrun gives every process its own LOCAL_RANK; drop "
+                                          f"--local_rank from the command line")
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def accept_local_rank(parser: argparse.ArgumentParser) -> None:
+    """--local-rank and --local_rank, which the deprecated torch.distributed.launch passes (2.0 and later, and
+    before); a LOCAL_RANK in the environment (torchrun's way) wins. The value is args.local_rank (-1: none)."""
+    parser.add_argument("--local-rank", "--local_rank", type=local_rank_arg, default=-1, dest="local_rank",
+                        help="set by the deprecated torch.distributed.launch; LOCAL_RANK wins when set")
+
+
+def refuse(parser: argparse.ArgumentParser, *flags: str, why: str) -> None:
+    """Accept a flag as the source notes spell it, only to say in one line what the course does instead."""
+    class Refuse(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{option_string}: {why}")
+
+    parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
+
+
+def check_args(parser: argparse.ArgumentParser, args, *, local_rank: int = 0,
+               procs_per_node: int = 1) -> tuple[torch.device, str | None]:
+    """Check the shared flags, then choose this process's device and backend and return them.
+
+    Any mistake ends the program with one line (parser.error) before anything starts.
+    See choose_device for the choice; single-process scripts get backend None.
+
+    With COURSE_CHECK_ONLY=1 in the environment the script stops here, after preparing the data
+    (exit code 0 when everything is usable): the make targets run that once before torchrun starts
+    N processes, so that a mistake is one line, not one traceback per process plus torchrun's summary.
+    """
+    data_dir = Path(args.data_dir)
+    if data_dir.exists() and not data_dir.is_dir():
+        parser.error(f"--data-dir {data_dir} is not a directory")
+    if data_dir.exists() and not os.access(data_dir, os.R_OK | os.X_OK):
+        parser.error(f"--data-dir {data_dir} is not readable")
+    if getattr(args, "checkpoint_dir", ""):
+        try:
+            _check_checkpoint_dir(Path(args.checkpoint_dir))
+        except UsageError as err:
+            parser.error(str(err))
+    try:
+        placed = choose_device(args.device, getattr(args, "backend", None), local_rank=local_rank,
+                               procs_per_node=procs_per_node)
+        if os.environ.get("COURSE_CHECK_ONLY") == "1":
+            family = "cifar10" if "cifar10" in _dataset_choices(parser) else "mnist"
+            prepare_data(args.dataset, args.data_dir, family=family)
+            parser.exit(0)
+        return placed
+    except UsageError as err:
+        parser.error(str(err))
+
+def _dataset_choices(parser: argparse.ArgumentParser) -> tuple:
+    return next((a.choices for a in parser._actions if a.dest == "dataset"), ())
+
+
+# --------------------------------------------------------------------------- devices
 
 
 class UsageError(ValueError):
     """A request that cannot work; the message says what to do instead."""
-
 
 def gpu_count() -> int:
     """The CUDA GPUs this process can use: 0 without CUDA, without a working driver, or with GPUs older
@@ -154,19 +225,16 @@ def gpu_count() -> int:
     count = torch.cuda.device_count()
     return 0 if _too_old_gpus(count) else count
 
-
 def _too_old_gpus(count: int) -> list[str]:
     """The visible GPUs whose compute capability is below the lowest this build was compiled for."""
     low = _lowest_arch()
     return [f"{torch.cuda.get_device_name(i)} ({'.'.join(map(str, torch.cuda.get_device_capability(i)))})"
             for i in range(count) if low and torch.cuda.get_device_capability(i) < low]
 
-
 def _lowest_arch() -> tuple[int, int] | None:
     """The oldest GPU generation this torch build has kernels for, as (major, minor): (7, 5) for sm_75."""
     archs = [int(a[3:]) for a in torch.cuda.get_arch_list() if a.startswith("sm_") and a[3:].isdigit()]
     return (min(archs) // 10, min(archs) % 10) if archs else None
-
 
 def choose_device(device: str = "auto", backend: str | None = "auto", *, local_rank: int = 0,
                   procs_per_node: int = 1) -> tuple[torch.device, str | None]:
@@ -201,10 +269,7 @@ def choose_device(device: str = "auto", backend: str | None = "auto", *, local_r
         return torch.device("cpu"), backend
     return torch.device("cuda", local_rank % gpus), backend
 
-
-# the oldest Linux driver each CUDA major version runs on (NVIDIA's minor-version compatibility table)
 _DRIVER_FLOOR = {"13": "580", "12": "525", "11": "450"}
-
 
 def runtime_report(device: torch.device, backend: str | None = None, procs_per_node: int = 1,
                    gpus_per_process: int = 1) -> str:
@@ -242,439 +307,97 @@ def runtime_report(device: torch.device, backend: str | None = None, procs_per_n
                      f"{'.'.join(map(str, _lowest_arch() or ('?',)))} or newer.")
     return "\n".join(lines)
 
+def share_cpu_threads(procs_per_node: int) -> int:
+    """Give each of `procs_per_node` CPU processes its share of the cores; return the thread count.
 
-# --------------------------------------------------------------------------- command line
-
-MNIST_DATASETS = ("auto", "mnist", "mnist-standin")
-CIFAR_DATASETS = ("auto", "cifar10", "cifar10-standin")
-
-
-def _number(kind, low: float, low_ok: bool, what: str):
-    """An argparse type: a finite number of `kind` above `low` (or equal to it when low_ok)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (value == low and not low_ok):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-    return parse
-
-
-positive_int = _number(int, 1, True, "a whole number of at least 1")
-count_or_zero = _number(int, 0, True, "0 (off) or a positive whole number")
-positive_float = _number(float, 0.0, False, "a positive number")
-
-
-def add_common_args(parser: argparse.ArgumentParser, *, family: str = "mnist", epochs: int = 2,
-                    batch_size: int = 64, lr: float = 0.01, distributed: bool = True) -> None:
-    """The flags every training script shares (see the course README for their meaning).
-
-    Their types check the numbers, so that `--lr nan` or `--epochs -1` end in one line of argparse.
+    Every process otherwise starts one thread per core, and N processes fight over the same
+    cores. torchrun sets OMP_NUM_THREADS=1
+    for you; mp.spawn and hand-started processes do not. An OMP_NUM_THREADS you set wins.
     """
-    choices = MNIST_DATASETS if family == "mnist" else CIFAR_DATASETS
-    parser.add_argument("--epochs", type=positive_int, default=epochs,
-                        help="passes over the training set (default %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=batch_size,
-                        help="samples per step per process (default %(default)s)")
-    parser.add_argument("--lr", type=positive_float, default=lr, help="learning rate (default %(default)s)")
-    parser.add_argument("--dataset", default="auto", choices=choices,
-                        help="real data, the offline stand-in, or auto: real when present or downloadable")
-    parser.add_argument("--data-dir", default="data", help="where data sets live (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
-    parser.add_argument("--max-steps", type=count_or_zero, default=0,
-                        help="stop each epoch after this many steps; 0 = whole epoch (for smoke runs)")
-    parser.add_argument("--log-every", type=count_or_zero, default=0,
-                        help="print the training loss every N steps (rank 0); 0 = only once per epoch")
-    parser.add_argument("--checkpoint-dir", default="",
-                        help="write a checkpoint here after every epoch (default: none)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                        help="auto = CUDA when there is a GPU for every process, else CPU")
-    if distributed:
-        parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                            help="auto = NCCL on CUDA, Gloo on CPU")
-        parser.add_argument("--timeout", type=positive_float, default=60.0,
-                            help="seconds any collective may wait before the job fails (default %(default)s)")
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, procs_per_node))
+    torch.set_num_threads(threads)
+    return threads
 
 
-def check_args(parser: argparse.ArgumentParser, args, *, local_rank: int = 0,
-               procs_per_node: int = 1) -> tuple[torch.device, str | None]:
-    """Check the shared flags, then choose this process's device and backend and return them.
+# --------------------------------------------------------------------------- data
 
-    Any mistake ends the program with one line (parser.error) before anything starts.
-    See choose_device for the choice; single-process scripts get backend None.
-    """
-    data_dir = Path(args.data_dir)
-    if data_dir.exists() and not data_dir.is_dir():
-        parser.error(f"--data-dir {data_dir} is not a directory")
-    if data_dir.exists() and not os.access(data_dir, os.R_OK | os.X_OK):
-        parser.error(f"--data-dir {data_dir} is not readable")
-    try:
-        return choose_device(args.device, getattr(args, "backend", None), local_rank=local_rank,
-                             procs_per_node=procs_per_node)
-    except UsageError as err:
-        parser.error(str(err))
-
-
-# --------------------------------------------------------------------------- printing
-
-
-def say(*parts) -> None:
-    """Print one line in a single write, so that lines from several processes never mix mid-line.
-
-    (print() writes the text and the newline separately; another process can write in between.)
-    """
-    sys.stdout.write(" ".join(str(p) for p in parts) + "\n")
-    sys.stdout.flush()
-
-
-def leave(code: int = 0) -> None:
-    """End this process at once (flush, then os._exit), skipping the interpreter's teardown.
-
-    With torch 2.14 and Gloo, a worker that finished its work and destroyed its process group
-    sometimes still aborts while the process exits ('terminate called without an active
-    exception', SIGABRT, with no Python frame left): about 1 run in 10 of a 3-rank script here.
-    That turns a successful run into a failed one. Call this last, after destroy_process_group().
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def print0(rank: int, *parts) -> None:
-    """Print one whole line, from rank 0 only (other ranks stay quiet)."""
-    if rank == 0:
-        say(*parts)
-
-
-def progress(iterable, rank: int, desc: str = "", total: int | None = None):
-    """A tqdm bar on rank 0; on other ranks the bare iterable."""
-    if rank != 0:
-        return iterable
-    interactive = sys.stderr.isatty()
-    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True,
-                mininterval=0.1 if interactive else 5.0, file=sys.stderr)
-
-
-def final_line(*, test_acc: float, test_samples: int, world_size: int, epochs: int, seconds: float,
-               dataset: str, **extra) -> str:
-    """The summary every training script prints last, on rank 0; tests parse it."""
-    line = (f"final: test_acc={test_acc:.4f} test_samples={test_samples} world_size={world_size} "
-            f"epochs={epochs} seconds={seconds:.1f} dataset={dataset}")
-    for key, value in extra.items():
-        line += f" {key}={value:.4f}" if isinstance(value, float) else f" {key}={value}"
-    return line
-
-
-# --------------------------------------------------------------------------- files and ports
-
-
-def _atomic_write(path, write) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself survive a power cut
-    finally:
-        os.close(dir_fd)
-    return path
-
-
-def atomic_write_bytes(data: bytes, path) -> Path:
-    """Write `data` to `path` so that a crash mid-write leaves the previous file intact."""
-    return _atomic_write(path, lambda f: f.write(data))
-
-
-def atomic_save(obj, path) -> Path:
-    """torch.save through a temp file, fsync and os.replace: a killed save never corrupts `path`."""
-    return _atomic_write(path, lambda f: torch.save(obj, f))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it; another program could still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def rng_state() -> dict:
-    """Python's and torch's RNG states, and this process's current GPU's, in a form that
-    torch.load(weights_only=True) accepts. Only the current GPU: the file must load on a machine with fewer."""
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what rng_state() saved, however the checkpoint was loaded.
-
-    torch.set_rng_state accepts only a CPU ByteTensor ("RNG state must be a torch.ByteTensor"); a
-    checkpoint loaded with map_location=<a GPU> has put the saved states on that GPU: .cpu() brings them back.
-    """
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"].cpu())  # the current GPU's
-
-
-def load_checkpoint(path) -> dict:
-    """A checkpoint written by atomic_save, loaded onto the CPU with weights_only=True.
-
-    map_location="cpu" keeps RNG states where torch wants them; load_state_dict then copies the
-    weights to wherever the model is, and an optimizer moves its state to its parameters' device.
-    """
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-# --------------------------------------------------------------------------- data: stand-ins
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
-STANDIN_SIZES = {"mnist": (24000, 4000), "cifar10": (10000, 2000)}  # (train, test) images
-STANDIN_SUBDIR = "standin"
 
-# Digit glyphs, 7 rows x 5 columns, two hand styles each; '#' is ink.
-_GLYPHS = {
-    0: [" ### ,#   #,#  ##,# # #,##  #,#   #, ### ", " ### ,#   #,#   #,#   #,#   #,#   #, ### "],
-    1: ["  #  , ##  ,  #  ,  #  ,  #  ,  #  , ### ", "   # ,  ## , # # ,   # ,   # ,   # ,   # "],
-    2: [" ### ,#   #,    #,   # ,  #  , #   ,#####", " ### ,#   #,    #,  ## , #   ,#    ,#####"],
-    3: ["#####,   # ,  #  ,   # ,    #,#   #, ### ", " ### ,#   #,    #,  ## ,    #,#   #, ### "],
-    4: ["   # ,  ## , # # ,#  # ,#####,   # ,   # ", "#   #,#   #,#   #,#####,    #,    #,    #"],
-    5: ["#####,#    ,#### ,    #,    #,#   #, ### ", "#####,#    ,#    ,#### ,    #,    #,#### "],
-    6: ["  ## , #   ,#    ,#### ,#   #,#   #, ### ", " ### ,#    ,#    ,#### ,#   #,#   #, ### "],
-    7: ["#####,    #,   # ,  #  , #   , #   , #   ", "#####,    #,   # , ### ,  #  ,  #  ,  #  "],
-    8: [" ### ,#   #,#   #, ### ,#   #,#   #, ### ", " ### ,#   #, # # ,  #  , # # ,#   #, ### "],
-    9: [" ### ,#   #,#   #, ####,    #,   # , ##  ", " ### ,#   #,#   #, ####,    #,    #, ### "],
-}
+STANDIN_SUBDIR = "standin"  # the offline stand-ins live in DATA_DIR/standin (standins.py writes them)
 
-
-def _glyph_bank() -> torch.Tensor:
-    """(10, styles, 1, 7, 5) float tensor of the digit bitmaps."""
-    bank = [[[[c == "#" for c in row] for row in style.split(",")] for style in _GLYPHS[d]] for d in range(10)]
-    return torch.tensor(bank, dtype=torch.float32).unsqueeze(2)
-
-
-def make_mnist_standin(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`n` handwriting-like 28x28 uint8 digits and their labels, deterministic for a seed.
-
-    Each image is a bitmap glyph warped by a random affine map and a smooth random
-    displacement field, with random stroke width, blur, clutter and noise: learnable, but
-    hard enough that a small ConvNet does not reach 100 % at once.
-    """
-    g = torch.Generator().manual_seed(seed)
-    bank = _glyph_bank()
-    labels = torch.randint(0, 10, (n,), generator=g)
-    styles = torch.randint(0, bank.shape[1], (n,), generator=g)
-    images = torch.empty(n, 28, 28, dtype=torch.uint8)
-    for start in range(0, n, 4096):
-        sl = slice(start, min(n, start + 4096))
-        m = sl.stop - sl.start
-        glyph = bank[labels[sl], styles[sl]]  # (m, 1, 7, 5)
-        canvas = F.pad(F.interpolate(glyph, size=(20, 14), mode="bilinear", align_corners=False), (7, 7, 4, 4))
-        thick = torch.rand(m, generator=g) < 0.5  # bolder pen for half of them
-        canvas = torch.where(thick.view(m, 1, 1, 1), F.max_pool2d(canvas, 3, 1, 1), canvas)
-        angle = (torch.rand(m, generator=g) - 0.5) * math.radians(40)
-        scale = 0.8 + 0.4 * torch.rand(m, generator=g)
-        shear = (torch.rand(m, generator=g) - 0.5) * 0.6
-        shift = (torch.rand(m, 2, generator=g) - 0.5) * 0.35
-        cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
-        theta = torch.stack([torch.stack([cos, -sin + shear, shift[:, 0]], 1),
-                             torch.stack([sin, cos, shift[:, 1]], 1)], 1)
-        grid = F.affine_grid(theta, (m, 1, 28, 28), align_corners=False)
-        wobble = F.interpolate(torch.randn(m, 2, 4, 4, generator=g) * 0.08, size=(28, 28), mode="bicubic",
-                               align_corners=False).permute(0, 2, 3, 1)
-        img = F.grid_sample(canvas, grid + wobble, mode="bilinear", padding_mode="zeros", align_corners=False)
-        # clutter: a stray stroke in a third of the images
-        stray = torch.zeros(m, 1, 28, 28)
-        rows = torch.randint(0, 28, (m,), generator=g)
-        cols = torch.randint(0, 20, (m,), generator=g)
-        has = torch.rand(m, generator=g) < 0.33
-        for k in range(6):
-            stray[torch.arange(m), 0, rows, (cols + k).clamp(max=27)] = has.float() * 0.8
-        img = torch.maximum(img, stray)
-        img = F.avg_pool2d(F.pad(img, (1, 1, 1, 1), mode="replicate"), 3, 1) * 0.6 + img * 0.4  # soft ink
-        img = img * (0.6 + 0.4 * torch.rand(m, 1, 1, 1, generator=g)) + 0.12 * torch.randn(img.shape, generator=g)
-        images[sl] = (img.clamp(0, 1) * 255).round().to(torch.uint8).squeeze(1)
-    return images, labels
-
-
-def make_cifar_standin(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`n` 32x32 RGB uint8 images (N, 32, 32, 3) of ten procedural classes, and labels.
-
-    Each class is a shape or texture (disc, square, ring, cross, stripes, checks, ...) with
-    random colour, size, position, background and noise.
-    """
-    g = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, 10, (n,), generator=g)
-    yy, xx = torch.meshgrid(torch.linspace(-1, 1, 32), torch.linspace(-1, 1, 32), indexing="ij")
-    cx, cy = [(torch.rand(n, 1, 1, generator=g) - 0.5) * 0.8 for _ in range(2)]
-    r = 0.35 + 0.3 * torch.rand(n, 1, 1, generator=g)
-    x, y = xx - cx, yy - cy
-    freq = 6 + 6 * torch.rand(n, 1, 1, generator=g)
-    masks = torch.stack([
-        (x**2 + y**2 < r**2).float(),                                          # disc
-        ((x.abs() < r) & (y.abs() < r)).float(),                               # square
-        ((x**2 + y**2 < r**2) & (x**2 + y**2 > (0.6 * r) ** 2)).float(),       # ring
-        (((x.abs() < r / 4) & (y.abs() < r)) | ((y.abs() < r / 4) & (x.abs() < r))).float(),  # cross
-        (torch.sin(freq * yy) > 0).float(),                                    # horizontal stripes
-        (torch.sin(freq * xx) > 0).float(),                                    # vertical stripes
-        (torch.sin(freq * (xx + yy) / 1.4) > 0).float(),                       # diagonal stripes
-        ((torch.sin(freq * xx) > 0) ^ (torch.sin(freq * yy) > 0)).float(),     # checks
-        ((y > -r) & (y < r) & (x.abs() < (y + r) / 2)).float(),                # triangle
-        ((x.abs() + y.abs()) < r).float(),                                     # diamond
-    ], 1)
-    mask = masks[torch.arange(n), labels].unsqueeze(1)  # (n, 1, 32, 32)
-    fg = torch.rand(n, 3, 1, 1, generator=g)
-    bg = torch.rand(n, 3, 1, 1, generator=g)
-    bg = torch.where((fg - bg).abs().sum(1, keepdim=True) < 0.6, 1 - fg, bg)  # keep the shape visible
-    img = mask * fg + (1 - mask) * bg + 0.1 * torch.randn(n, 3, 32, 32, generator=g)
-    img = (img.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
-    return img, labels
-
-
-def _idx_bytes(t: torch.Tensor) -> bytes:
-    """A uint8 tensor in MNIST's IDX format (magic 0x0000080N, big-endian sizes, raw bytes)."""
-    header = struct.pack(">HBB", 0, 0x08, t.dim()) + struct.pack(f">{t.dim()}I", *t.shape)
-    return header + t.numpy().tobytes()
-
-
-def write_mnist_standin(root, sizes=None, seed: int = 1234) -> Path:
-    """Write the MNIST stand-in as IDX files under root/MNIST/raw (where torchvision.datasets.MNIST looks)."""
-    raw = Path(root) / "MNIST" / "raw"
-    n_train, n_test = sizes or STANDIN_SIZES["mnist"]
-    for prefix, n, s in (("train", n_train, seed), ("t10k", n_test, seed + 1)):
-        images, labels = make_mnist_standin(n, s)
-        atomic_write_bytes(_idx_bytes(images), raw / f"{prefix}-images-idx3-ubyte")
-        atomic_write_bytes(_idx_bytes(labels.to(torch.uint8)), raw / f"{prefix}-labels-idx1-ubyte")
-    return raw
-
-
-CIFAR_CLASSES = ["disc", "square", "ring", "cross", "h-stripes", "v-stripes", "d-stripes", "checks",
-                 "triangle", "diamond"]
 CIFAR_STANDIN_FOLDER = "cifar-10-standin-py"
 
+REAL_FILES = {"mnist": [f"MNIST/raw/{split}-{kind}" for split in ("train", "t10k")
+                         for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")],
+              "cifar10": [f"cifar-10-batches-py/{name}" for name in
+                          ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))]}
 
-def write_cifar_standin(root, sizes=None, seed: int = 4321) -> Path:
-    """Write the CIFAR-10 stand-in as pickled batches, in CIFAR-10's own python format."""
-    folder = Path(root) / CIFAR_STANDIN_FOLDER
-    n_train, n_test = sizes or STANDIN_SIZES["cifar10"]
-    train_x, train_y = make_cifar_standin(n_train, seed)
-    test_x, test_y = make_cifar_standin(n_test, seed + 1)
-
-    def batch(x, y, name):  # CIFAR rows are 3072 bytes: the R plane, then G, then B
-        return {"batch_label": name, "labels": y.tolist(), "data": x.permute(0, 3, 1, 2).reshape(len(x), -1).numpy(),
-                "filenames": [f"{name}_{i}.png" for i in range(len(x))]}
-
-    for i, part in enumerate(torch.arange(n_train).chunk(5)):
-        atomic_write_bytes(pickle.dumps(batch(train_x[part], train_y[part], f"training batch {i + 1} of 5")),
-                           folder / f"data_batch_{i + 1}")
-    atomic_write_bytes(pickle.dumps(batch(test_x, test_y, "testing batch 1 of 1")), folder / "test_batch")
-    meta = {"label_names": CIFAR_CLASSES, "num_cases_per_batch": n_train // 5, "num_vis": 3072}
-    atomic_write_bytes(pickle.dumps(meta), folder / "batches.meta")
-    return folder
-
-
-_cifar_standin_cls = None
-
-
-def cifar10_standin_class():
-    """torchvision's CIFAR10 loader pointed at the stand-in files (no md5 check: they are generated).
-
-    Built on first use so that importing common does not import torchvision (about 1 s).
-    """
-    global _cifar_standin_cls
-    if _cifar_standin_cls is None:
-        from torchvision.datasets import CIFAR10
-
-        class CIFAR10StandIn(CIFAR10):
-            base_folder = CIFAR_STANDIN_FOLDER
-            train_list = [[f"data_batch_{i}", None] for i in range(1, 6)]
-            test_list = [["test_batch", None]]
-            meta = {"filename": "batches.meta", "key": "label_names", "md5": None}
-
-        _cifar_standin_cls = CIFAR10StandIn
-    return _cifar_standin_cls
-
-
-# --------------------------------------------------------------------------- data: loading
-
-
-def _real_present(family: str, data_dir) -> bool:
-    d = Path(data_dir)
-    if family == "mnist":
-        return all((d / "MNIST" / "raw" / f).exists() for f in
-                   ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-                    "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"))
-    return (d / "cifar-10-batches-py" / "test_batch").exists()
-
-
-def _standin_present(family: str, data_dir) -> bool:
-    root = Path(data_dir) / STANDIN_SUBDIR
-    if family == "mnist":
-        return (root / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").exists()
-    return (root / CIFAR_STANDIN_FOLDER / "batches.meta").exists()
-
-
-def family_of(dataset: str) -> str:
-    return "mnist" if dataset.startswith("mnist") else "cifar10"
-
+OFFLINE_MEMORY_S = 3600  # after a failed download, `auto` does not try again for an hour
 
 def prepare_data(dataset: str, data_dir, family: str = "mnist", quiet: bool = False) -> str:
     """Make sure the data exists on disk; return the concrete data set name used.
 
-    Call it from ONE process (rank 0, or the parent before spawning) while the others wait:
-    it may download or generate files. `auto` takes real data when it is present or can be
-    downloaded, otherwise the offline stand-in, and says so loudly.
+    Call it from ONE process per machine (local rank 0, or the parent before spawning) while the others
+    wait: it may download or generate files. `auto` takes real data when it is present or can be
+    downloaded, otherwise the offline stand-in, and says so loudly. A missing or damaged stand-in file is
+    written again; a folder that cannot be written, or real data that cannot be had, ends in one line
+    (UsageError) saying what to do.
     """
     if dataset != "auto":
         family = family_of(dataset)
+    data_dir = Path(data_dir)
     if dataset == "auto":
-        if _real_present(family, data_dir):
+        if not _missing_real(family, data_dir):
             return family
-        reason = try_download(family, data_dir, quiet=True)
+        _check_writable(data_dir, f"the {family} data")
+        reason = _recent_download_failure(family, data_dir) or try_download(family, data_dir, quiet=True)
         if reason is None:
             return family
+        _remember_download_failure(family, data_dir, reason)
         if not quiet:
-            print(f"NOTE: using the offline {family} STAND-IN, not the real data set "
-                  f"({family} not in {data_dir} and the download failed: {reason}). "
-                  f"With internet, run `make data` once for the real one.", flush=True)
+            say(f"NOTE: using the offline {family} STAND-IN, not the real data set ({family} not in {data_dir} "
+                f"and the download failed: {reason}). With internet, run `make data` once for the real one.")
         dataset = f"{family}-standin"
     if dataset.endswith("-standin"):
-        if not _standin_present(family, data_dir):
+        damage = _standin_damage(family, data_dir)
+        if damage:
+            _check_writable(data_dir, f"the {dataset}")
+            import standins  # the generator, only when something has to be written
+
             t0 = time.time()
-            (write_mnist_standin if family == "mnist" else write_cifar_standin)(Path(data_dir) / STANDIN_SUBDIR)
+            try:
+                (standins.write_mnist_standin if family == "mnist" else standins.write_cifar_standin)(
+                    data_dir / STANDIN_SUBDIR)
+            except OSError as err:
+                raise UsageError(f"--data-dir {data_dir}: cannot write the {dataset} there "
+                                 f"({err.strerror or err}); use a writable --data-dir") from None
             if not quiet:
-                print(f"generated the {dataset} in {Path(data_dir) / STANDIN_SUBDIR} ({time.time() - t0:.1f} s)",
-                      flush=True)
+                why = "" if damage == "not generated yet" else f"; the old one was damaged ({damage})"
+                say(f"generated the {dataset} in {data_dir / STANDIN_SUBDIR}{why} ({time.time() - t0:.1f} s)")
         return dataset
-    if not _real_present(family, data_dir):
+    missing = _missing_real(family, data_dir)
+    if missing:
+        _check_writable(data_dir, f"the {dataset} data")
         reason = try_download(family, data_dir, quiet=quiet)
         if reason is not None:
-            raise UsageError(f"--dataset {dataset}: not found in {data_dir} and the download failed ({reason}). "
+            what = "not found" if len(missing) == len(REAL_FILES[family]) else f"{data_dir / missing[0]} is missing"
+            raise UsageError(f"--dataset {dataset}: {what} in {data_dir} and the download failed ({reason}). "
                              f"Connect to the internet and run `make data`, or use --dataset {family}-standin.")
     return dataset
-
 
 def resolve_dataset(dataset: str, data_dir, family: str = "mnist") -> str:
     """The concrete name `auto` stands for, once prepare_data has run somewhere (no downloads here)."""
     if dataset != "auto":
         return dataset
-    return family if _real_present(family, data_dir) else f"{family}-standin"
-
+    return family if not _missing_real(family, data_dir) else f"{family}-standin"
 
 def try_download(family: str, data_dir, quiet: bool = False) -> str | None:
     """Download the real data set with torchvision; None on success, else the reason it failed."""
@@ -702,6 +425,76 @@ def try_download(family: str, data_dir, quiet: bool = False) -> str | None:
     finally:
         socket.setdefaulttimeout(old_timeout)
 
+def family_of(dataset: str) -> str:
+    return "mnist" if dataset.startswith("mnist") else "cifar10"
+
+def _missing_real(family: str, data_dir) -> list[str]:
+    """The files of the real data set that are not in data_dir (all of them when it was never downloaded)."""
+    return [f for f in REAL_FILES[family] if not (Path(data_dir) / f).is_file()]
+
+def _standin_folder(family: str, data_dir) -> Path:
+    root = Path(data_dir) / STANDIN_SUBDIR
+    return root / "MNIST" / "raw" if family == "mnist" else root / CIFAR_STANDIN_FOLDER
+
+def _standin_damage(family: str, data_dir) -> str | None:
+    """None when the stand-in is complete; else what is wrong with it ("not generated yet", a file's size...)."""
+    folder = _standin_folder(family, data_dir)
+    try:
+        sizes = json.loads((folder / "MANIFEST.json").read_text())
+    except (OSError, ValueError):
+        return "not generated yet" if not folder.exists() else "incomplete: no manifest"
+    for name, size in sizes.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, not {size}"
+    return None
+
+def _check_writable(data_dir: Path, what: str) -> None:
+    """--data-dir must exist (or be creatable) and be writable before anything is downloaded or written there."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--data-dir {data_dir} cannot be created ({err.strerror or err}), and {what} must be "
+                         f"written there; use a writable --data-dir") from None
+    if not os.access(data_dir, os.W_OK | os.X_OK):
+        raise UsageError(f"--data-dir {data_dir} is not writable, and {what} must be written there "
+                         f"(it is not there yet); use a writable --data-dir")
+
+
+def _failure_note(family: str, data_dir) -> Path:
+    return Path(data_dir) / STANDIN_SUBDIR / f".{family}-download-failed"
+
+def _recent_download_failure(family: str, data_dir) -> str | None:
+    """The reason of a failed download of the last hour, so that `auto` does not wait for the network each run."""
+    note = _failure_note(family, data_dir)
+    try:
+        if time.time() - note.stat().st_mtime < OFFLINE_MEMORY_S:
+            return f"{note.read_text().strip()}; not retried for an hour: delete {note} to retry now"
+    except OSError:
+        pass
+    return None
+
+def _remember_download_failure(family: str, data_dir, reason: str) -> None:
+    if "not retried" in reason:
+        return
+    try:
+        atomic_write_bytes(reason.encode(), _failure_note(family, data_dir))
+    except OSError:
+        pass  # a read-only data folder: try again next time
+
+
+# --------------------------------------------------------------------------- seeding, data in memory, models
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python and torch (every device), and make cuDNN pick deterministic algorithms, so that two
+    runs with the same seed compute the same weights (the resume and restart demos compare them bitwise)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = True  # on a GPU; no effect on the CPU
+    torch.backends.cudnn.benchmark = False
 
 def load_dataset(dataset: str, data_dir, train: bool) -> TensorDataset:
     """The whole split as normalised tensors in memory (no per-sample PIL work while training).
@@ -724,6 +517,25 @@ def load_dataset(dataset: str, data_dir, train: bool) -> TensorDataset:
         y = torch.tensor(ds.targets, dtype=torch.long)
     return TensorDataset(x.contiguous(), y)
 
+_cifar_standin_cls = None
+
+def cifar10_standin_class():
+    """torchvision's CIFAR10 loader pointed at the stand-in files (no md5 check: they are generated).
+
+    Built on first use so that importing common does not import torchvision (about 1 s).
+    """
+    global _cifar_standin_cls
+    if _cifar_standin_cls is None:
+        from torchvision.datasets import CIFAR10
+
+        class CIFAR10StandIn(CIFAR10):
+            base_folder = CIFAR_STANDIN_FOLDER
+            train_list = [[f"data_batch_{i}", None] for i in range(1, 6)]
+            test_list = [["test_batch", None]]
+            meta = {"filename": "batches.meta", "key": "label_names", "md5": None}
+
+        _cifar_standin_cls = CIFAR10StandIn
+    return _cifar_standin_cls
 
 def batch_loader(dataset: TensorDataset, batch_size: int, sampler=None, shuffle: bool = False, seed: int = 0,
                  drop_last: bool = False, pin_memory: bool = False) -> DataLoader:
@@ -737,23 +549,194 @@ def batch_loader(dataset: TensorDataset, batch_size: int, sampler=None, shuffle:
     return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last), batch_size=None,
                       pin_memory=pin_memory)
 
+class ConvNet(nn.Module):
+    """The small MNIST network of the course: two conv + BatchNorm + pool blocks, one linear layer."""
 
-def augment_cifar(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """CIFAR's standard augmentation for a whole batch at once: random 32x32 crop of the image padded
-    by 4 pixels, and a horizontal flip half of the time. One indexing operation, no per-image loop."""
-    n, c, h, w = x.shape
-    padded = F.pad(x, (4, 4, 4, 4))
-    top = torch.randint(0, 9, (n,), generator=generator).to(x.device)
-    left = torch.randint(0, 9, (n,), generator=generator).to(x.device)
-    rows = (top.view(n, 1) + torch.arange(h, device=x.device)).view(n, 1, h, 1)
-    cols = (left.view(n, 1) + torch.arange(w, device=x.device)).view(n, 1, 1, w)
-    out = padded[torch.arange(n, device=x.device).view(n, 1, 1, 1), torch.arange(c, device=x.device).view(1, c, 1, 1),
-                 rows, cols]
-    flip = (torch.rand(n, generator=generator) < 0.5).to(x.device).view(n, 1, 1, 1)
-    return torch.where(flip, out.flip(3), out)
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.layer1 = nn.Sequential(
+            nn.Conv2d(1, 16, kernel_size=5, padding=2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2)
+        )
+        self.layer2 = nn.Sequential(
+            nn.Conv2d(16, 32, kernel_size=5, padding=2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2)
+        )
+        self.fc = nn.Linear(7 * 7 * 32, num_classes)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(x))
+        return self.fc(x.flatten(1))
+
+class ToyModel(nn.Module):
+    """Two linear layers (10 -> 10 -> 5): big enough to have gradients, small enough to print."""
+
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(10, 10)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.net2(self.relu(self.net1(x)))
+
+def resnet18_cifar(num_classes: int = 10) -> nn.Module:
+    """torchvision's ResNet-18 adapted to 32x32 images: a 3x3 stem with stride 1 and no max-pool."""
+    from torchvision.models import resnet18
+
+    model = resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
 
 
-@torch.no_grad()
+# --------------------------------------------------------------------------- checkpoints
+
+
+def resume_state(path: Path | None, run: dict) -> dict | None:
+    """The checkpoint a run continues from, or None when it starts from scratch.
+
+    `run` says what the checkpoint must belong to (script, model, data set, settings that must match). One rule
+    for every script: an existing checkpoint is continued, or refused in one line (UsageError), never
+    overwritten by a fresh run. Refused, and left untouched: a damaged file, one from another kind of run, and
+    one that another job on this machine is still writing.
+    """
+    if path is None or not path.exists():
+        return None
+    state = load_checkpoint(path)
+    saved = state.get("run", {}) if isinstance(state, dict) else {}
+    keys = list(run) + [key for key in saved if key not in run]  # what this run says, then what only the file says
+    wrong = [f"{key} {saved.get(key)!r} there, {run.get(key)!r} here" for key in keys if saved.get(key) != run.get(key)]
+    if wrong:
+        raise UsageError(f"{path} belongs to another run ({'; '.join(wrong)}). It was left as it is: use another "
+                         f"--checkpoint-dir, or delete the file to start over")
+    writer = state.get("writer", {})
+    if (writer.get("host") == socket.gethostname() and writer.get("pid") != os.getpid()
+            and writer.get("started") and _start_time(writer["pid"]) == writer["started"]):
+        raise UsageError(f"{path} is being written by another job that is still running (pid {writer['pid']}). "
+                         f"Wait for it to end, or use another --checkpoint-dir")
+    return state
+
+def load_checkpoint(path) -> dict:
+    """A checkpoint written by atomic_save, loaded onto the CPU with weights_only=True.
+
+    map_location="cpu" keeps RNG states where torch wants them; load_state_dict then copies the
+    weights to wherever the model is, and an optimizer moves its state to its parameters' device.
+    A damaged file ends in one line (UsageError) that names it; the file is left as it is.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - truncated, random bytes, not a torch file: all the same to a user
+        raise UsageError(f"{path} is damaged or not a checkpoint (torch.load: {type(err).__name__}). It was left as "
+                         f"it is: move it away, or use another --checkpoint-dir, to start over") from None
+
+def _check_checkpoint_dir(folder: Path) -> None:
+    """Make the checkpoint folder, or say in one line why it cannot be written (before any training)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--checkpoint-dir {folder} cannot be created: {err.strerror or err}") from None
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--checkpoint-dir {folder} is not a writable folder")
+
+def save_checkpoint(path: Path, run: dict, **state) -> Path:
+    """atomic_save of `state`, with what the run is (see resume_state) and which process wrote it."""
+    return atomic_save({"run": run, "writer": _this_process(), **state}, path)
+
+def _this_process() -> dict:
+    """Who writes a checkpoint: host, pid, and the pid's start time (so that a reused pid is not taken for it)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid())}
+
+def _start_time(pid: int) -> str | None:
+    """A process's start, as boot id + clock ticks since boot (Linux); None where /proc does not tell."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return None
+
+def rng_state() -> dict:
+    """Python's and torch's RNG states, and this process's current GPU's, in a form that
+    torch.load(weights_only=True) accepts. Only the current GPU: the file must load on a machine with fewer."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+def set_rng_state(state: dict) -> None:
+    """Restore what rng_state() saved, however the checkpoint was loaded.
+
+    torch.set_rng_state accepts only a CPU ByteTensor ("RNG state must be a torch.ByteTensor"); a
+    checkpoint loaded with map_location=<a GPU> has put the saved states on that GPU: .cpu() brings them back.
+    """
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())  # the current GPU's
+
+
+def use_lr(optimizer: torch.optim.Optimizer, lr: float) -> str:
+    """Give every parameter group this run's --lr (a resumed optimizer brings back the saved one).
+
+    Returns a note for the log when that changes the learning rate, else "".
+    """
+    saved = optimizer.param_groups[0]["lr"]
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return f"; --lr {lr:g} replaces the checkpoint's {saved:g}" if saved != lr else ""
+
+
+# --------------------------------------------------------------------------- printing, progress, evaluation
+
+
+def say(*parts) -> None:
+    """Print one line in a single write, so that lines from several processes never mix mid-line.
+
+    (print() writes the text and the newline separately; another process can write in between.)
+    """
+    sys.stdout.write(" ".join(str(p) for p in parts) + "\n")
+    sys.stdout.flush()
+
+def print0(rank: int, *parts) -> None:
+    """Print one whole line, from rank 0 only (other ranks stay quiet)."""
+    if rank == 0:
+        say(*parts)
+
+def progress(iterable, rank: int, desc: str = "", total: int | None = None):
+    """A tqdm bar on rank 0; on other ranks the bare iterable."""
+    if rank != 0:
+        return iterable
+    # tqdm's default lock is a multiprocessing semaphore, reported as "leaked" at exit when a worker leaves with
+    # os._exit (workarounds.leave); only rank 0 draws, so a thread lock is all it needs
+    tqdm.set_lock(threading.RLock())
+    interactive = sys.stderr.isatty()
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True,
+                mininterval=0.1 if interactive else 5.0, file=sys.stderr)
+
+
+def line(kind: str, **fields) -> str:
+    """One structured output line, `kind: key=value ...`: floats with 4 decimals, everything else as it is.
+
+    Notebooks and tests read these lines with parse_lines; people read them too.
+    """
+    return f"{kind}: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
+
+
+def parse_lines(text: str, kind: str) -> list[dict]:
+    """Every `kind: key=value ...` line of `text`, as a dict each; plain decimal numbers become int or float."""
+    rows = []
+    for ln in text.splitlines():
+        if ln.startswith(f"{kind}: "):
+            pairs = (pair.partition("=") for pair in ln[len(kind) + 2:].split())
+            rows.append({key: _number_or_text(value) for key, _, value in pairs})
+    return rows
+
+
+def _number_or_text(value: str):
+    if re.fullmatch(r"-?\d+", value):
+        return int(value)
+    return float(value) if re.fullmatch(r"-?\d+\.\d*|nan|-?inf", value) else value
+
+
+@torch.no_grad()  # no graph: evaluation keeps no activations for a backward that never comes
 def evaluate(model: nn.Module, loader, device) -> torch.Tensor:
     """Local sums over `loader`: tensor([correct, samples, loss_sum]) in float64 on `device`.
 
@@ -770,3 +753,86 @@ def evaluate(model: nn.Module, loader, device) -> torch.Tensor:
         totals[2] += F.cross_entropy(out, y, reduction="sum")
     model.train(was_training)
     return totals
+
+
+def final_line(*, test_acc: float, test_samples: int, world_size: int, epochs: int, seconds: float,
+               dataset: str, **extra) -> str:
+    """The summary every training script prints last, on rank 0; tests parse it."""
+    return (f"final: test_acc={test_acc:.4f} test_samples={test_samples} world_size={world_size} epochs={epochs} "
+            f"seconds={seconds:.1f} dataset={dataset}" + (" " + line("", **extra)[2:] if extra else ""))
+
+
+def weights_digest(model: nn.Module) -> str:
+    """A short fingerprint (CRC-32) of every parameter and buffer: equal on two ranks only if the bytes are equal."""
+    crc = 0
+    for key, tensor in model.state_dict().items():
+        crc = zlib.crc32(key.encode(), crc)
+        crc = zlib.crc32(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return f"{crc:08x}"
+
+
+def shard_line(rank: int, epoch: int, sampler) -> str:
+    """What this rank trains on in this epoch, in one line: how many samples, their sum and sum of squares
+    (equal totals over the ranks mean the shards cover the data set once), and a fingerprint of their order.
+
+    The sampler's own random generator, if it has one, is left as it was: asking does not change the training.
+    """
+    generator = getattr(sampler, "generator", None)
+    saved = generator.get_state() if generator is not None else None
+    indices = torch.tensor(list(sampler), dtype=torch.int64)
+    if saved is not None:
+        generator.set_state(saved)
+    order = zlib.crc32(indices.numpy().tobytes())
+    return line("shard", rank=rank, epoch=epoch + 1, samples=len(indices), sum=int(indices.sum()),
+                sumsq=int((indices * indices).sum()), order=f"{order:08x}")
+
+
+def worker_error(err: Exception) -> str:
+    """What to say about an mp.spawn worker that failed: the one line of a UsageError, else its whole traceback."""
+    found = re.search(r"^common\.UsageError: (.*)$", str(err), re.M)
+    return f"error: {found.group(1)}" if found else str(err)
+
+
+# --------------------------------------------------------------------------- files and ports
+
+
+def _atomic_write(path, write) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the mode open() would
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself survive a power cut
+    finally:
+        os.close(dir_fd)
+    return path
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+def atomic_write_bytes(data: bytes, path) -> Path:
+    """Write `data` to `path` so that a crash mid-write leaves the previous file intact."""
+    return _atomic_write(path, lambda f: f.write(data))
+
+def atomic_save(obj, path) -> Path:
+    """torch.save through a temp file, fsync and os.replace: a killed save never corrupts `path`."""
+    return _atomic_write(path, lambda f: torch.save(obj, f))
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it; another program could still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

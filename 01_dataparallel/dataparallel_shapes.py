@@ -2,19 +2,49 @@
 
     python 01_dataparallel/dataparallel_shapes.py              # on all visible GPUs
     python 01_dataparallel/dataparallel_shapes.py --gpus 2     # what 2 GPUs would do, also on a CPU machine
+    python 01_dataparallel/dataparallel_shapes.py --gpus 4 --loss-inside   # the loss computed in forward
     make dp-shapes
 
 100 random samples in batches of 30 give batches of 30, 30, 30 and 10. On 2 GPUs each batch is cut
 in two along dimension 0 (15 + 15, and 5 + 5 for the last), each half runs on its own GPU in its
 own thread, and the halves are glued back together on the output device.
+
+With --loss-inside the model computes its loss in forward (as the DataParallel and DDP notes do): every GPU
+returns one 0-dim loss, and DataParallel gathers them into a vector of one loss per GPU (warning that it
+gathered scalars). `loss.mean()` makes it one number again, but it weighs every GPU's piece equally: when the
+pieces differ in size (30 over 4 GPUs: 8, 8, 8, 6) that is not the loss of the whole batch.
 """
 
-import argparse
 
+import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 import common
+
+
+class RandomDataset(Dataset):
+    """`length` random vectors of size `features` (the DataParallel shape demo's input)."""
+
+    def __init__(self, length: int, features: int, seed: int = 0):
+        self.data = torch.randn(length, features, generator=torch.Generator().manual_seed(seed))
+
+    def __getitem__(self, index):
+        return self.data[index]
+
+    def __len__(self):
+        return len(self.data)
+
+
+class LossModel(nn.Module):
+    """The same layer, returning its mean squared error against targets: the loss inside forward."""
+
+    def __init__(self, input_size: int, output_size: int):
+        super().__init__()
+        self.fc = nn.Linear(input_size, output_size)
+
+    def forward(self, x, target):
+        return ((self.fc(x) - target) ** 2).mean()
 
 
 class ShapeModel(nn.Module):
@@ -33,18 +63,21 @@ class ShapeModel(nn.Module):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=None,
                         help="how many GPUs to split over (default: all visible; on CPU: 2, simulated)")
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=30)
+    parser.add_argument("--loss-inside", action="store_true", help="the model returns its loss (see above)")
     args = parser.parse_args()
     visible = common.gpu_count()
     if args.gpus is not None and args.gpus < 1:
         parser.error("--gpus must be at least 1")
     n = args.gpus or max(visible, 2)  # by default all GPUs, and at least the 2 that make a split worth seeing
 
-    loader = DataLoader(common.RandomDataset(args.samples, 5), batch_size=args.batch_size, shuffle=True)
+    loader = DataLoader(RandomDataset(args.samples, 5), batch_size=args.batch_size, shuffle=True)
+    if args.loss_inside:
+        return loss_inside(loader, n, visible)
     model = ShapeModel(5, 2)
     if n <= visible:
         print(f"Let's use {n} GPU(s): nn.DataParallel(device_ids={list(range(n))})", flush=True)
@@ -64,6 +97,25 @@ def main():
             print(f"    would run on cuda:{gpu}: input size [{size}, 5] output size [{size}, 2]", flush=True)
         out = model(batch)
         print(f"Outside: input size {list(batch.shape)} output size {list(out.shape)}", flush=True)
+
+
+def loss_inside(loader, n, visible):
+    """One loss per GPU, gathered into a vector; its mean, against the loss of the whole batch."""
+    torch.manual_seed(0)
+    model = LossModel(5, 2)
+    batch = next(iter(loader))
+    target = torch.randn(len(batch), 2)
+    whole = model(batch, target).item()
+    if n <= visible:
+        dp = nn.DataParallel(model.to("cuda:0"), device_ids=list(range(n)))
+        losses = dp(batch.to("cuda:0"), target.to("cuda:0")).cpu()  # a vector: one loss per GPU
+    else:  # what the n replicas would compute: the same arithmetic, piece by piece
+        losses = torch.stack([model(x, t) for x, t in zip(batch.chunk(n), target.chunk(n), strict=True)])
+    sizes = [len(piece) for piece in batch.chunk(n)]
+    print(f"pieces of {sizes} samples on {n} GPU(s){'' if n <= visible else ' (simulated)'}", flush=True)
+    print(f"gathered losses: {[round(v, 4) for v in losses.tolist()]} (shape {list(losses.shape)})", flush=True)
+    print(f"loss.mean() = {losses.mean().item():.4f}; the loss of the whole batch = {whole:.4f}"
+          f"{'' if len(set(sizes)) == 1 else '; they differ: the pieces are not all the same size'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,43 +1,60 @@
 """Step 1 of the MNIST chain: one process, one device, no parallelism at all.
 
-This is the baseline that every later step changes a little. Run from the repo root:
+The baseline every later step changes a little: the same training, data, checkpoints and printing, so that the
+diff of each step shows only its lesson. Run from the repo root:
 
-    python 01_dataparallel/mnist_single.py                     # CPU, or the first GPU if there is one
+    python 01_dataparallel/mnist_single.py                      # CPU, or the first GPU if there is one
     python 01_dataparallel/mnist_single.py --dataset mnist-standin --epochs 1
-    make smoke                                                 # the same, on the offline stand-in
+    python 01_dataparallel/mnist_single.py --checkpoint-dir runs/single --epochs 3   # again: it continues
+    make smoke                                                  # one epoch on the offline stand-in
 
-Next step: mnist_dataparallel.py wraps the model in nn.DataParallel.
+Next step: 02_ddp_spawn/mnist_spawn.py, one process per device with DistributedDataParallel.
+A side branch: mnist_dataparallel.py, one process driving several GPUs with nn.DataParallel.
 """
 
-import argparse
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import RandomSampler
 
 import common
 
 
-def train(args, device):
+def train(args, device, rank=0, world_size=1):
     common.seed_everything(args.seed)
-    dataset = common.prepare_data(args.dataset, args.data_dir)
-    train_set = common.load_dataset(dataset, args.data_dir, train=True)
-    test_set = common.load_dataset(dataset, args.data_dir, train=False)
-    train_loader = common.batch_loader(train_set, args.batch_size, shuffle=True, seed=args.seed,
-                                       pin_memory=device.type == "cuda")
+    train_set = common.load_dataset(args.dataset, args.data_dir, train=True)
+    test_set = common.load_dataset(args.dataset, args.data_dir, train=False)
+    shuffle = torch.Generator()
+    sampler = RandomSampler(train_set, generator=shuffle)
+    train_loader = common.batch_loader(train_set, args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
     test_loader = common.batch_loader(test_set, 1000)
 
     model = common.ConvNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # a checkpoint in --checkpoint-dir is continued; one of another run is refused, in one line
+    path = Path(args.checkpoint_dir) / f"{Path(__file__).stem}.pt" if args.checkpoint_dir else None
+    run = {"script": Path(__file__).name, "model": "ConvNet", "dataset": args.dataset}
+    state, start_epoch = common.resume_state(path, run), 0
+    if state:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        common.set_rng_state(state["rng"])
+        start_epoch = state["epoch"]
+        common.print0(rank, f"resumed from {path} after epoch {start_epoch}{common.use_lr(optimizer, args.lr)}")
 
-    print(f"training ConvNet on {dataset} ({len(train_set)} train / {len(test_set)} test images) "
-          f"on {device}, batch {args.batch_size}, {args.epochs} epoch(s)", flush=True)
+    common.print0(rank, f"training ConvNet on {args.dataset} ({len(train_set)} train / {len(test_set)} test "
+                        f"images) with {world_size} process(es) on {device.type}, batch {args.batch_size} per "
+                        f"process, {args.epochs} epoch(s)")
     start = time.time()
-    for epoch in range(args.epochs):
+    for epoch in range(start_epoch, args.epochs):
+        shuffle.manual_seed(args.seed + epoch)  # a new order every epoch, and the same one in a resumed run
+        if args.show_shards:
+            common.say(common.shard_line(rank, epoch, sampler))
         model.train()
         steps = min(len(train_loader), args.max_steps or len(train_loader))
-        bar = common.progress(train_loader, rank=0, desc=f"epoch {epoch + 1}/{args.epochs}", total=steps)
+        bar = common.progress(train_loader, rank, desc=f"epoch {epoch + 1}/{args.epochs}", total=steps)
         for step, (images, labels) in enumerate(bar):
             if step == steps:
                 break
@@ -48,30 +65,34 @@ def train(args, device):
             loss.backward()
             optimizer.step()
             if args.log_every and (step + 1) % args.log_every == 0:
-                print(f"epoch {epoch + 1} step {step + 1}/{steps} loss={loss.item():.4f}", flush=True)
+                common.print0(rank, common.line("step", epoch=epoch + 1, step=step + 1, loss=loss.item()))
 
-        correct, samples, loss_sum = common.evaluate(model, test_loader, device).tolist()
-        print(f"epoch {epoch + 1}/{args.epochs}: train_loss={loss.item():.4f} "
-              f"test_loss={loss_sum / samples:.4f} test_acc={correct / samples:.4f}", flush=True)
-        if args.checkpoint_dir:
-            path = Path(args.checkpoint_dir) / "mnist_single.pt"
-            common.atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                "epoch": epoch + 1}, path)
+        totals = common.evaluate(model, test_loader, device)  # sums over the test set: correct, samples, loss
+        correct, samples, loss_sum = totals.tolist()
+        common.print0(rank, common.line("epoch", epoch=epoch + 1, epochs=args.epochs, train_loss=loss.item(),
+                                        test_loss=loss_sum / samples, test_acc=correct / samples))
+        if rank == 0 and path:
+            common.save_checkpoint(path, run, model=model.state_dict(), optimizer=optimizer.state_dict(),
+                                   epoch=epoch + 1, rng=common.rng_state(), device=device.type)
 
-    print(common.final_line(test_acc=correct / samples, test_samples=int(samples), world_size=1,
-                            epochs=args.epochs, seconds=time.time() - start, dataset=dataset), flush=True)
+    if start_epoch >= args.epochs:
+        common.print0(rank, f"nothing to do: the checkpoint is already at epoch {start_epoch} of {args.epochs}")
+        return
+    common.print0(rank, common.final_line(
+        test_acc=correct / samples, test_samples=int(samples), world_size=world_size, epochs=args.epochs,
+        seconds=time.time() - start, dataset=args.dataset, weights=common.weights_digest(model)))
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_common_args(parser, distributed=False)
+    parser = common.training_parser(__doc__, distributed=False)
     args = parser.parse_args()
-    device, _ = common.check_args(parser, args)
-    print(common.runtime_report(device), flush=True)
+    device, _ = common.check_args(parser, args)  # every mistake in one line, before anything starts
+    common.print0(0, common.runtime_report(device))
     try:
+        args.dataset = common.prepare_data(args.dataset, args.data_dir)  # "auto" becomes what is there
         train(args, device)
     except common.UsageError as err:
-        parser.exit(2, f"error: {err}\n")
+        parser.error(str(err))
 
 
 if __name__ == "__main__":

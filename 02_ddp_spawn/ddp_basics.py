@@ -11,7 +11,6 @@ Options: --nproc N (default 2), --backend, --timeout. CPU + Gloo without GPUs, N
 """
 
 import argparse
-import gc
 import os
 import sys
 import tempfile
@@ -24,6 +23,22 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+import workarounds
+
+
+class ToyMpModel(nn.Module):
+    """ToyModel split over two devices (model parallelism): net1 on dev0, net2 on dev1."""
+
+    def __init__(self, dev0, dev1):
+        super().__init__()
+        self.dev0, self.dev1 = torch.device(dev0), torch.device(dev1)
+        self.net1 = nn.Linear(10, 10).to(self.dev0)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5).to(self.dev1)
+
+    def forward(self, x):
+        x = self.relu(self.net1(x.to(self.dev0)))
+        return self.net2(x.to(self.dev1))
 
 
 def run_demo(rank, world_size, args):
@@ -47,9 +62,9 @@ def run_demo(rank, world_size, args):
     finally:
         # DDP wrappers sit in reference cycles and keep the process group alive: free them now, or
         # they are freed during interpreter shutdown, after the group is gone, and the process aborts
-        gc.collect()
+        workarounds.free_ddp_models()
         dist.destroy_process_group()
-    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave()
 
 
 def one_step(model, device, out_device=None):
@@ -103,7 +118,7 @@ def demo_model_parallel(rank, world_size, device, args):
     if device.type == "cpu":
         common.print0(rank, f"model parallel wants 2 GPUs per process ({2 * world_size} in all): here both halves "
                             f"run on the CPU; the code path is the same")
-    model = DDP(common.ToyMpModel(dev0, dev1))  # no device_ids for a model that spans several devices
+    model = DDP(ToyMpModel(dev0, dev1))  # no device_ids for a model that spans several devices
     one_step(model, dev0, out_device=dev1)  # outputs come out on dev1
     same = same_on_all_ranks(model, dev0)
     common.say(f"rank {rank}: net1 on {dev0}, net2 on {dev1}")
@@ -146,7 +161,7 @@ def start_with_process(fn, world_size, args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = common.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("demo", choices=[*DEMOS, "process"])
     parser.add_argument("--nproc", type=int, default=2, help="processes to start (default %(default)s)")

@@ -14,8 +14,6 @@ batch, but it does equal one process that runs BatchNorm on each slice separatel
 the losses. (SyncBatchNorm, section 06, uses the statistics of the global batch instead.)
 """
 
-import argparse
-import gc
 import sys
 from datetime import timedelta
 
@@ -26,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+import workarounds
 
 
 def make_model(batchnorm: bool) -> nn.Module:
@@ -88,13 +87,13 @@ def worker(rank, world_size, args, port):
     finally:
         # The DDP wrappers made above sit in reference cycles; collect them while the group still
         # exists, or the cycle collector frees them at interpreter exit and the process aborts.
-        gc.collect()
+        workarounds.free_ddp_models()
         dist.destroy_process_group()
-    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave()
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--per-rank", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=5)

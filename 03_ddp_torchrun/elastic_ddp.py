@@ -3,29 +3,43 @@
     torchrun --standalone --nproc-per-node 2 03_ddp_torchrun/elastic_ddp.py
     torchrun --nnodes 1 --nproc-per-node 2 --rdzv-id 100 --rdzv-backend c10d \\
         --rdzv-endpoint 127.0.0.1:29400 03_ddp_torchrun/elastic_ddp.py
-    make elastic-ddp NPROC=2
+    make ddp-minimal NPROC=2
 
 torchrun runs this file as __main__ in every worker, so nothing here spawns processes; the
 `if __name__ == "__main__"` guard is good habit, not a necessity as it is with mp.spawn.
 """
 
-import gc
 import os
+import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+import workarounds
+
+
+class RangeDataset(Dataset):
+    """The numbers 0 .. length-1 as floats: easy to see which sample went to which rank."""
+
+    def __init__(self, length: int):
+        self.data = torch.arange(length, dtype=torch.float32)
+
+    def __getitem__(self, index):
+        return self.data[index]
+
+    def __len__(self):
+        return len(self.data)
 
 
 def train(rank, device):
     model = DDP(nn.Linear(1, 1).to(device), device_ids=[device.index] if device.type == "cuda" else None)
-    dataset = common.RangeDataset(10_000)  # the numbers 0 .. 9999
+    dataset = RangeDataset(10_000)  # the numbers 0 .. 9999
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)  # rank and world size from the group
     loader = DataLoader(dataset, batch_size=100, sampler=sampler)  # no shuffle=True: the sampler shuffles
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -43,6 +57,9 @@ def train(rank, device):
 
 
 if __name__ == "__main__":
+    if "LOCAL_RANK" not in os.environ:  # started with python, or with --help
+        sys.exit("error: torchrun starts this script: torchrun --standalone --nproc-per-node 2 "
+                 "03_ddp_torchrun/elastic_ddp.py")
     local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun, like RANK and WORLD_SIZE
     # CUDA + NCCL when the node has a GPU for every worker, else CPU + Gloo
     device, backend = common.choose_device(local_rank=local_rank, procs_per_node=int(os.environ["LOCAL_WORLD_SIZE"]))
@@ -54,6 +71,6 @@ if __name__ == "__main__":
         train(dist.get_rank(), device)
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        gc.collect()
+        workarounds.free_ddp_models()
         dist.destroy_process_group()
-    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave()

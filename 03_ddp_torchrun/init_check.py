@@ -9,7 +9,6 @@
 Run this first on a new cluster: if it hangs or fails, training will too, and this is quicker to read.
 """
 
-import argparse
 import os
 import socket
 from datetime import timedelta
@@ -18,13 +17,15 @@ import torch
 import torch.distributed as dist
 
 import common
+import workarounds
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the other ranks")
+    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
@@ -52,7 +53,7 @@ def main():
                             f"all_reduce of ones = {int(total.item())}")
     finally:
         dist.destroy_process_group()
-    common.leave(0 if ok else 1)  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave(0 if ok else 1)
 
 
 if __name__ == "__main__":

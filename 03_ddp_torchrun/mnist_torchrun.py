@@ -1,9 +1,9 @@
-"""Step 4 of the MNIST chain: the same DDP training, started by torchrun instead of mp.spawn.
+"""Step 3 of the MNIST chain: the same DDP training, started by torchrun instead of mp.spawn.
 
-torchrun starts the processes (on one node or many), and tells each its RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and MASTER_PORT through the environment: init_method="env://". It can
-also restart the whole group when a worker fails; with --checkpoint-dir the script then resumes
-from the last finished epoch by itself.
+torchrun starts the processes (on one node or many) and tells each its RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT through the environment: init_process_group needs no address. It can also
+restart the whole group when a worker fails; with --checkpoint-dir the script then continues from the last
+finished epoch by itself.
 
     torchrun --standalone --nproc-per-node 2 03_ddp_torchrun/mnist_torchrun.py
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 03_ddp_torchrun/mnist_torchrun.py \\
@@ -13,11 +13,10 @@ from the last finished epoch by itself.
     python -m torch.distributed.launch --nproc-per-node 2 03_ddp_torchrun/mnist_torchrun.py   # deprecated
     make ddp-torchrun NPROC=2
 
-Next step: 04_multinode_tcp/mnist_tcp.py starts every process by hand with a tcp:// address.
+Next steps: 04_multinode_tcp/mnist_tcp.py starts every process by hand with a tcp:// address;
+06_amp_syncbn/mnist_amp_syncbn.py adds mixed precision and SyncBatchNorm.
 """
 
-import argparse
-import gc
 import os
 import time
 from datetime import timedelta
@@ -31,55 +30,43 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+import workarounds
 
 
-def join_group(args, backend, device, rank, world_size):
-    """init_process_group from torchrun's environment, in a fresh namespace for every restart.
-
-    torchrun's agent keeps one key-value store for the whole job. Workers restarted after a
-    failure find the failed attempt's keys (its Gloo addresses) still there and may connect to
-    dead processes. A PrefixStore named after TORCHELASTIC_RESTART_COUNT gives each attempt its own keys.
-    """
-    timeout = timedelta(seconds=args.timeout)
-    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
-                            world_size=world_size, timeout=timeout,
-                            device_id=device if backend == "nccl" else None)  # NCCL: bind this GPU now
-
-
-def train(rank, world_size, args, device):
+def train(args, device, rank=0, world_size=1):
     common.seed_everything(args.seed)
-    dataset = args.dataset
-    train_set = common.load_dataset(dataset, args.data_dir, train=True)
-    test_set = common.load_dataset(dataset, args.data_dir, train=False)
+    train_set = common.load_dataset(args.dataset, args.data_dir, train=True)
+    test_set = common.load_dataset(args.dataset, args.data_dir, train=False)
+    # DDP: each rank its own shard; one shared permutation per epoch, cut into world_size disjoint parts
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    train_loader = common.batch_loader(train_set, args.batch_size, sampler=sampler,
-                                       pin_memory=device.type == "cuda")
-    # exact evaluation: rank r takes test images r, r+world_size, ...: disjoint, no padding
+    train_loader = common.batch_loader(train_set, args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
+    # DDP: exact evaluation, rank r takes test images r, r+world_size, ...: disjoint, nothing padded
     test_loader = common.batch_loader(test_set, 1000, sampler=range(rank, len(test_set), world_size))
 
     model = common.ConvNet().to(device)
-    # DDP broadcasts rank 0's weights to all ranks, then averages gradients during backward()
+    # DDP: copies rank 0's weights to every rank now, then averages the gradients in every backward()
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    path = Path(args.checkpoint_dir) / "mnist_torchrun.pt" if args.checkpoint_dir else None
-    start_epoch = 0
-    if path and path.exists():  # resume automatically: a restarted job continues where it stopped
-        state = common.load_checkpoint(path)
+    # a checkpoint in --checkpoint-dir is continued; one of another run is refused, in one line
+    path = Path(args.checkpoint_dir) / f"{Path(__file__).stem}.pt" if args.checkpoint_dir else None
+    run = {"script": Path(__file__).name, "model": "ConvNet", "dataset": args.dataset}
+    state, start_epoch = common.resume_state(path, run), 0
+    if state:
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         common.set_rng_state(state["rng"])
         start_epoch = state["epoch"]
-        common.print0(rank, f"resumed from {path} after epoch {start_epoch}")
+        common.print0(rank, f"resumed from {path} after epoch {start_epoch}{common.use_lr(optimizer, args.lr)}")
 
-    common.print0(rank, f"training ConvNet on {dataset} ({len(train_set)} train / {len(test_set)} test "
-                        f"images) with {world_size} processes ({dist.get_backend()}, {device.type}), "
-                        f"batch {args.batch_size} per process, {args.epochs} epoch(s)")
+    common.print0(rank, f"training ConvNet on {args.dataset} ({len(train_set)} train / {len(test_set)} test "
+                        f"images) with {world_size} process(es) on {device.type}, batch {args.batch_size} per "
+                        f"process, {args.epochs} epoch(s)")
     start = time.time()
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # 0 = first attempt
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun: 0 on the first attempt
     for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle every epoch, the same permutation on every rank
+        sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same permutation on every rank
+        if args.show_shards:
+            common.say(common.shard_line(rank, epoch, sampler))
         model.train()
         steps = min(len(train_loader), args.max_steps or len(train_loader))
         bar = common.progress(train_loader, rank, desc=f"epoch {epoch + 1}/{args.epochs}", total=steps)
@@ -90,78 +77,84 @@ def train(rank, world_size, args, device):
             labels = labels.to(device, non_blocking=True)
             loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP all-reduces the gradients here, bucket by bucket
+            loss.backward()  # DDP: all-reduces the gradients here, bucket by bucket, while backward runs
             optimizer.step()
             if args.log_every and (step + 1) % args.log_every == 0:
-                common.print0(rank, f"epoch {epoch + 1} step {step + 1}/{steps} loss={loss.item():.4f}")
+                common.print0(rank, common.line("step", epoch=epoch + 1, step=step + 1, loss=loss.item()))
             if (restart == 0 and rank == args.fail_rank
-                    and epoch * steps + step + 1 == args.simulate_failure_at_step):  # demo: crash once
+                    and epoch * steps + step + 1 == args.simulate_failure_at_step):  # the demo: crash once
                 raise RuntimeError(f"simulated failure of rank {rank} at step {step + 1} of epoch {epoch + 1}")
 
-        # BatchNorm running statistics differ per rank (each saw its own batches). DDP copies rank 0's
-        # at the start of every forward, but evaluation bypasses the wrapper: copy them now
-        for buffer in model.module.buffers():
+        for buffer in model.module.buffers():  # DDP: rank 0's BatchNorm statistics everywhere (see README)
             dist.broadcast(buffer, src=0)
-        # every rank evaluates its part through model.module (no DDP hooks), then the sums are added
-        totals = common.evaluate(model.module, test_loader, device)
-        dist.all_reduce(totals)
+        totals = common.evaluate(model.module, test_loader, device)  # sums over this rank's part of the test set
+        dist.all_reduce(totals)  # DDP: the sums of all ranks, on every rank
         correct, samples, loss_sum = totals.tolist()
-        common.print0(rank, f"epoch {epoch + 1}/{args.epochs}: train_loss={loss.item():.4f} (rank 0) "
-                            f"test_loss={loss_sum / samples:.4f} test_acc={correct / samples:.4f}")
-        if rank == 0 and path:  # the weights are identical on every rank: one writer is enough
-            common.atomic_save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                                "epoch": epoch + 1, "rng": common.rng_state(), "device": device.type}, path)
+        common.print0(rank, common.line("epoch", epoch=epoch + 1, epochs=args.epochs, train_loss=loss.item(),
+                                        test_loss=loss_sum / samples, test_acc=correct / samples))
+        if rank == 0 and path:  # DDP: the weights are the same on every rank, one writer is enough
+            common.save_checkpoint(path, run, model=model.module.state_dict(), optimizer=optimizer.state_dict(),
+                                   epoch=epoch + 1, rng=common.rng_state(), device=device.type)
 
     if start_epoch >= args.epochs:
-        common.print0(rank, f"nothing to do: the checkpoint is already at epoch {start_epoch}")
-    else:
-        common.print0(rank, common.final_line(
-            test_acc=correct / samples, test_samples=int(samples), world_size=world_size,
-            epochs=args.epochs, seconds=time.time() - start, dataset=dataset, restarts=restart))
+        common.print0(rank, f"nothing to do: the checkpoint is already at epoch {start_epoch} of {args.epochs}")
+        return
+    digests = [None] * world_size
+    dist.all_gather_object(digests, common.weights_digest(model.module))  # DDP: do all ranks hold the same?
+    common.print0(rank, common.final_line(
+        test_acc=correct / samples, test_samples=int(samples), world_size=world_size, epochs=args.epochs,
+        seconds=time.time() - start, dataset=args.dataset, weights=digests[0], ranks_agree=len(set(digests)) == 1,
+        restarts=restart))
 
 
-@record  # on failure, torchrun's summary shows this worker's real traceback
+@record  # torchrun: on failure, its summary shows this worker's real traceback
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_common_args(parser)
-    parser.add_argument("--local-rank", "--local_rank", type=int, default=-1, dest="local_rank",
-                        help="set by the deprecated torch.distributed.launch; LOCAL_RANK wins when set")
-    parser.add_argument("--simulate-failure-at-step", type=int, default=0,
+    parser = common.training_parser(__doc__)
+    common.accept_local_rank(parser)  # the deprecated torch.distributed.launch passes --local-rank
+    parser.add_argument("--simulate-failure-at-step", type=common.count_or_zero, default=0,
                         help="demo: --fail-rank raises at this step (counted over epochs), first attempt only")
     parser.add_argument("--fail-rank", type=int, default=1, help="the rank that fails (default %(default)s)")
     args = parser.parse_args()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
+        parser.error(f"start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 {__file__}")
+    # DDP: torchrun says who we are: RANK in the job, LOCAL_RANK on this node, and how many we are
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))
-    if not 0 <= rank < world_size or local_rank < 0:
-        parser.error(f"RANK={rank} with WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}: "
-                     f"ranks must run from 0 to WORLD_SIZE-1")
     procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not 0 <= rank < world_size or local_rank < 0:  # PyTorch does not check it
+        parser.error(f"RANK={rank} with WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}: ranks run from 0 to "
+                     f"WORLD_SIZE-1")
     device, backend = common.check_args(parser, args, local_rank=local_rank, procs_per_node=procs_per_node)
     common.print0(rank, common.runtime_report(device, backend, procs_per_node))
+    workarounds.stop_with_launcher()
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # before init: this process's GPU for every CUDA and NCCL call
+        torch.cuda.set_device(device)  # DDP: the GPU of LOCAL_RANK; every node numbers its GPUs from 0
 
-    join_group(args, backend, device, rank, world_size)
+    timeout, device_id = timedelta(seconds=args.timeout), device if backend == "nccl" else None  # DDP: NCCL binds it
+    if workarounds.restarts_possible():
+        workarounds.join_group_per_attempt(backend, timeout, device_id)  # see workarounds.py
+    else:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)  # DDP: env://, torchrun's variables
     try:
-        # One process PER NODE prepares the data: local_rank 0 exists once on every node (rank 0 only once
-        # in the job), and another node may not share this file system. A first download can take longer
-        # than --timeout, so the others wait at a barrier of a Gloo group with a long timeout of its own.
+        # DDP: one process PER NODE prepares the data: local rank 0 exists once on every node (rank 0 once in
+        # the job), and another node may not share this file system. A download may outlast --timeout, so the
+        # others wait on a Gloo side group with a timeout of its own.
         data_ready = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
         if local_rank == 0:
             args.dataset = common.prepare_data(args.dataset, args.data_dir)
-        dist.barrier(group=data_ready)
+        dist.barrier(group=data_ready)  # DDP: the others wait here until the data is ready
         args.dataset = common.resolve_dataset(args.dataset, args.data_dir)
         common.print0(rank, f"torchrun gave {world_size} processes, {procs_per_node} on this node; "
                             f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
-        train(rank, world_size, args, device)
-        dist.barrier()  # every rank finishes its work before any tears the group down
+        train(args, device, rank, world_size)
+        dist.barrier()  # DDP: every rank finishes its work before any tears the group down
+    except common.UsageError as err:
+        parser.error(str(err))
     finally:
-        gc.collect()  # free the DDP model (it sits in reference cycles) while the group still exists
-        dist.destroy_process_group()
+        workarounds.free_ddp_models()
+        dist.destroy_process_group()  # DDP: leave the group, also after an error
 
 
 if __name__ == "__main__":
     main()
-    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave()

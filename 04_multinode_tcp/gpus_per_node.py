@@ -43,6 +43,9 @@ def visible_gpus() -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    if argv in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
     try:
         nnodes, nproc = (int(a) for a in argv)
         if nnodes < 1 or nproc < 1:

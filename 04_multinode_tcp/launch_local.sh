@@ -31,11 +31,22 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # all the "nodes" share this mach
 mapfile -t node_gpus < <("$py" 04_multinode_tcp/gpus_per_node.py "$nnodes" "$nproc")
 
 pids=()
+watcher=
 cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}" $watcher; do kill "$pid" 2>/dev/null || true; done
   rm -rf "$workdir"
 }
 trap cleanup EXIT INT TERM
+# if whoever started this script (make, a shell) is killed, stop too: the processes must not train on alone
+# (make may run this through a shell: that shell outlives a killed make, but its own parent then changes)
+parent=$PPID; above=$(awk '{print $4}' "/proc/$parent/stat" 2>/dev/null || true)
+( while kill -0 "$parent" 2>/dev/null && [ "$(awk '{print $4}' "/proc/$parent/stat" 2>/dev/null)" = "$above" ]; do
+    sleep 1
+  done; kill -TERM $$ 2>/dev/null ) &
+watcher=$!
+# one process checks the arguments and prepares the data first: a mistake is one line, not one per process
+COURSE_CHECK_ONLY=1 "$py" 04_multinode_tcp/mnist_tcp.py --init-method "$init" --world-size "$world" \
+  --nproc-per-node "$nproc" --node-rank 0 --local-rank 0 "$@"
 
 for ((node = 0; node < nnodes; node++)); do
   gpus=${node_gpus[$node]}

@@ -27,8 +27,19 @@ only=${ONLY_NODES:-$(seq -s ' ' 0 $((nnodes - 1)))}
 mapfile -t node_gpus < <("$py" 04_multinode_tcp/gpus_per_node.py "$nnodes" "$nproc")
 
 pids=()
-cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; }
+watcher=
+cleanup() { for pid in "${pids[@]}" $watcher; do kill "$pid" 2>/dev/null || true; done; }
 trap cleanup EXIT INT TERM
+# if whoever started this script (make, a shell) is killed, stop too: the agents must not train on alone
+# (make may run this through a shell: that shell outlives a killed make, but its own parent then changes)
+parent=$PPID; above=$(awk '{print $4}' "/proc/$parent/stat" 2>/dev/null || true)
+( while kill -0 "$parent" 2>/dev/null && [ "$(awk '{print $4}' "/proc/$parent/stat" 2>/dev/null)" = "$above" ]; do
+    sleep 1
+  done; kill -TERM $$ 2>/dev/null ) &
+watcher=$!
+# one process checks the arguments and prepares the data first: a mistake is one line, not one per process
+COURSE_CHECK_ONLY=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=$((nnodes * nproc)) LOCAL_WORLD_SIZE="$nproc" \
+  "$py" 03_ddp_torchrun/mnist_torchrun.py "$@"
 
 for node in $only; do
   if [[ $mode == static ]]; then

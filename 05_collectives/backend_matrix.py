@@ -9,7 +9,6 @@ in the layout of the usual backend table, next to what that static table claims.
     make backend-matrix
 """
 
-import argparse
 import os
 import time
 from datetime import timedelta
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import workarounds
 
 DTYPES = (torch.float32, torch.float16, torch.int64)
 # what the commonly copied static table says for Gloo on CPU and NCCL on GPU (✓ / ✘)
@@ -94,10 +94,11 @@ def ops(rank, ws, dtype, device, group):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--output-dir", help="also write the table to DIR/backend_matrix_<backend>_<device>_<date>.md")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per operation")
+    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
@@ -149,4 +150,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave()

@@ -9,7 +9,6 @@ on CPU tensors or NCCL on GPU tensors (one GPU per process). NCCL has no bitwise
     make collectives NPROC=4
 """
 
-import argparse
 import math
 import os
 from datetime import timedelta
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import workarounds
 
 FAILED = []
 UNSUPPORTED = {"nccl": {"BAND", "BOR", "BXOR"}}  # ReduceOps a backend refuses (see backend_matrix.py)
@@ -152,9 +152,10 @@ def run_all(rank, ws, device, backend):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
+    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 4 " + __file__)
@@ -179,7 +180,7 @@ def main():
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()
-    common.leave(1 if FAILED else 0)  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave(1 if FAILED else 0)
 
 
 if __name__ == "__main__":

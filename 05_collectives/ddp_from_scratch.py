@@ -9,8 +9,6 @@ same model both ways on the same data and shows that the weights agree.
 Gloo on the CPU, or NCCL on GPUs when there is one GPU per process (--backend picks).
 """
 
-import argparse
-import gc
 import os
 from datetime import timedelta
 
@@ -20,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+import workarounds
 
 
 def train(model, rank, steps, sync_by_hand, device):
@@ -38,10 +37,11 @@ def train(model, rank, steps, sync_by_hand, device):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
+    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
@@ -82,10 +82,10 @@ def main():
         common.print0(rank, f"result: max_diff={diff.item():.3e} allclose={torch.allclose(mine, theirs, atol=1e-6)}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        gc.collect()  # free the DDP model while the group still exists (see 02's pitfalls)
+        workarounds.free_ddp_models()
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave()

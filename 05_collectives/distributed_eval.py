@@ -13,7 +13,6 @@ and compares with a plain single-process evaluation.
 It runs on the CPU with Gloo on every machine, GPUs or not: the lesson is arithmetic, not devices.
 """
 
-import argparse
 import os
 from datetime import timedelta
 
@@ -23,6 +22,7 @@ from torch.utils.data import Subset
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+import workarounds
 
 
 def quick_model(data_dir, steps=100):
@@ -41,11 +41,12 @@ def quick_model(data_dir, steps=100):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="a checkpoint from the MNIST chain (default: train 100 steps)")
     parser.add_argument("--data-dir", default="data")
     parser.add_argument("--subset", type=int, default=0, help="evaluate only the first N test images")
     parser.add_argument("--timeout", type=float, default=60.0)
+    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 3 " + __file__)
@@ -100,4 +101,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave()

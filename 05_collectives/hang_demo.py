@@ -29,11 +29,12 @@ import common
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = common.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("mismatch", "straggler"), required=True)
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds any collective may wait")
+    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)

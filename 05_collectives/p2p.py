@@ -8,7 +8,6 @@ Gloo on CPU tensors, or NCCL on GPU tensors when there is one GPU per process (-
 Every rank's tensor before and after each step is printed by rank 0 as one table.
 """
 
-import argparse
 import os
 from datetime import timedelta
 
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import workarounds
 
 
 def show(rank, title, before, after):
@@ -29,9 +29,10 @@ def show(rank, title, before, after):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
+    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
@@ -89,4 +90,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave()

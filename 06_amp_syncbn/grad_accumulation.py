@@ -10,9 +10,7 @@ hook counts the all-reduces, and both variants are compared with one process on 
 It runs on the CPU with Gloo on every machine, GPUs or not: the lesson is arithmetic, not devices.
 """
 
-import argparse
 import contextlib
-import gc
 import os
 from datetime import timedelta
 
@@ -23,6 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+import workarounds
 
 
 def counting_allreduce(state, bucket):
@@ -46,10 +45,11 @@ def accumulated_grads(rank, x, y, accum, use_no_sync):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accum-steps", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=30.0)
+    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
@@ -80,10 +80,10 @@ def main():
                             f"equal={d1 < 1e-6 and d2 < 1e-6}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        gc.collect()  # free the DDP models while the group still exists
+        workarounds.free_ddp_models()
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave()

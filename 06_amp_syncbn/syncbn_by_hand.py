@@ -14,7 +14,6 @@ CPU with Gloo by default, on any machine. With --device cuda (NCCL with a GPU pe
 --backend gloo to share GPUs) nn.SyncBatchNorm is held to the same account, next to this module.
 """
 
-import argparse
 import os
 from datetime import timedelta
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import common
+import workarounds
 
 
 class SumOverRanks(torch.autograd.Function):
@@ -81,12 +81,13 @@ def convert_batchnorm(module: nn.Module) -> nn.Module:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-rank", type=int, default=4, help="samples per rank")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: on GPUs, with nn.SyncBatchNorm compared too (default %(default)s)")
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
+    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
@@ -150,4 +151,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave()

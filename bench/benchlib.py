@@ -36,7 +36,8 @@ def positive_int(text: str) -> int:
 
 def make_parser(doc: str, quick_help: str) -> argparse.ArgumentParser:
     """The flags every benchmark has: --quick, --rounds, --output-dir; the module docstring as help."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0], epilog="\n".join(doc.splitlines()[2:]),
+    first, _, rest = doc.partition("\n\n")  # the first paragraph, then the rest as written
+    parser = argparse.ArgumentParser(description=first, epilog=rest,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=quick_help + ": a smoke run, not a measurement")
     parser.add_argument("--rounds", type=positive_int, default=5, help="rounds of every variant (default %(default)s)")

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import benchlib
 import common
+import workarounds
 
 
 def make_runner(cap_mb: float | None, cfg: dict, device: torch.device, local_rank: int):
@@ -107,7 +108,7 @@ def main(argv=None):
             report(args, cfg, device, backend, list(runners), rounds, buckets)
         dist.barrier()
     finally:
-        gc.collect()
+        workarounds.free_ddp_models()
         dist.destroy_process_group()
 
 
@@ -140,4 +141,4 @@ def report(args, cfg, device, backend, names, rounds, buckets):
 
 if __name__ == "__main__":
     main()
-    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave()

@@ -74,24 +74,32 @@ def plan(gpus: int, is_root: bool = True, bench_out: str = "bench/results") -> l
                                         "model parallel needs 4 GPUs: its halves run on the CPU") if n)),
         Step("ddp-equivalence", make("ddp-equivalence", NPROC=2), note="CPU by design (arithmetic)"),
         Step("ddp-spawn", make("ddp-spawn", NPROC=nproc, EPOCHS=1, ARGS=share), note=shared_note),
+        Step("ddp-timeline", make("ddp-timeline", NPROC=nproc, ARGS=f"--output-dir {bench_out}/timeline_gpu "
+                                  f"{share or ''}"), note=shared_note),
         Step("ddp-torchrun", make("ddp-torchrun", NPROC=nproc, ARGS=share), note=shared_note),
         Step("ddp-torchrun NPROC=1", make("ddp-torchrun", NPROC=1, EPOCHS=1), note="NCCL at world size 1"),
         Step("init-check", make("init-check", NPROC=nproc, ARGS=share), note=shared_note),
-        Step("elastic-ddp", make("elastic-ddp", NPROC=gpus if many else 1)),
-        Step("ddp-elastic", make("ddp-elastic", NPROC=nproc, FAIL_AT=40, ARGS=f"--epochs 2 {short} {share or ''}"),
-             note=shared_note),
-        Step("elastic-stress", make("elastic-stress", NPROC=nproc, ARGS=share), timeout=900, note=shared_note),
+        Step("ddp-minimal", make("ddp-minimal", NPROC=gpus if many else 1)),
+        Step("elastic-restart", make("elastic-restart", NPROC=nproc, FAIL_AT=40,
+                                     ARGS=f"--epochs 2 {short} {share or ''}"), note=shared_note),
+        Step("elastic-stress", make("elastic-stress", NPROC=nproc, RUNS=3, BENCH_OUT=bench_out),
+             timeout=1200, note="3 runs with and 3 without the workaround"),
+        Step("exit-stress", make("exit-stress", RUNS=3, BENCH_OUT=bench_out), timeout=600,
+             note="Gloo on the CPU by design: the abort is in Gloo's teardown"),
         Step("launch-legacy", make("launch-legacy", NPROC=nproc, EPOCHS=1, ARGS=f"{short} {share or ''}"),
              note=shared_note),
     ]
     for target in ("multinode-tcp", "multinode-file", "multinode-torchrun"):
         steps.append(Step(target, make(target, NNODES=2, NPROC=nodes_proc, EPOCHS=1, ARGS=short),
                           note="" if many else "2 nodes need 2 GPUs: the launcher runs them on the CPU"))
+    steps.append(Step("multinode-spawn", make("multinode-spawn", PROCS="2,1" if gpus >= 3 else "1,1"),
+                      note="" if gpus >= 2 else "2 machines need 2 GPUs: they run on the CPU"))
     steps.append(Step("multinode-netns", make("multinode-netns", NPROC=nodes_proc, EPOCHS=1, ARGS=short),
                       skip="" if is_root else "needs root (network namespaces)",
                       note="" if many else "2 hosts need 2 GPUs: they run on the CPU"))
     for target in ("collectives", "p2p", "ddp-from-scratch", "hang-demo"):
         steps.append(Step(target, make(target, NPROC=nproc), note=cpu_note))
+    steps.append(Step("errors", make("errors"), note="Gloo on the CPU by design (the messages are Gloo's)"))
     steps += [
         Step("backend-matrix", make("backend-matrix", ARGS=f"--output-dir {bench_out}"), note=cpu_note),
         Step("ddp-eval", make("ddp-eval", NPROC=3), note="Gloo on the CPU by design (counting)"),
@@ -104,6 +112,8 @@ def plan(gpus: int, is_root: bool = True, bench_out: str = "bench/results") -> l
         Step("bench-allreduce", make("bench-allreduce", NPROC=gpus, BENCH_OUT=bench_out), timeout=900,
              skip="" if many else "not run: needs 2 GPUs"),
         Step("bench-buckets", make("bench-buckets", NPROC=gpus, BENCH_OUT=bench_out), timeout=900,
+             skip="" if many else "not run: needs 2 GPUs"),
+        Step("bench-hooks", make("bench-hooks", NPROC=gpus, BENCH_OUT=bench_out), timeout=900,
              skip="" if many else "not run: needs 2 GPUs"),
     ]
     return steps

@@ -20,7 +20,6 @@ cost, speedup and scaling efficiency) are computed inside each round, then summa
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -39,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import benchlib
 import common
+import workarounds
 
 # --------------------------------------------------------------------------- data sources (endless batch iterators)
 
@@ -128,13 +128,13 @@ def ddp_worker(rank: int, ws: int, cfg: dict, out: str, launched_at: float, init
         del model
         dist.barrier()
     finally:
-        gc.collect()
+        workarounds.free_ddp_models()
         dist.destroy_process_group()
 
 
 def spawn_entry(rank, ws, cfg, out, launched_at, port):
     ddp_worker(rank, ws, cfg, out, launched_at, f"tcp://127.0.0.1:{port}")
-    common.leave()
+    workarounds.leave()
 
 
 def run_spawn(ws: int, cfg: dict, tmp: str) -> dict:
@@ -294,7 +294,7 @@ def main(argv=None):
             per_round = benchlib.run_rounds({n: fn for n, (_, fn) in variants.items()}, args.rounds)
         torch.set_num_threads(cores)
     finally:
-        gc.collect()  # DDP wrappers left in reference cycles would keep the group alive past its destruction
+        workarounds.free_ddp_models()
         dist.destroy_process_group()
     report(args, cfg, device, backend, variants, per_round, world_sizes, note)
 
@@ -338,4 +338,4 @@ def report(args, cfg, device, backend, variants, per_round, world_sizes, note):
 
 if __name__ == "__main__":
     main()
-    common.leave()  # skip the interpreter teardown that can abort (see common.leave)
+    workarounds.leave()

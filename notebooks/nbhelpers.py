@@ -1,11 +1,13 @@
-"""Helpers for the notebooks: run a course command as a subprocess and fail the cell if it fails.
+"""Helpers for the notebooks: run a course command and fail the cell if it fails; show a script's own lines.
 
-Notebooks never use `!cmd` (a failing `!cmd` does not fail its cell) nor mp.spawn of a function
-defined in a cell (the child processes cannot import it). They call run() instead.
+Notebooks never use `!cmd` (a failing `!cmd` does not fail its cell) nor mp.spawn of a function defined in a
+cell (the child processes cannot import it). They call run() instead. The code they show is read from the
+scripts when the notebook runs, so it cannot drift from what runs.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import shlex
 import subprocess
@@ -14,9 +16,12 @@ from pathlib import Path
 
 REPO = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common.py").exists())
 PYTHON = sys.executable
+sys.path.insert(0, str(REPO))
+
+import common  # noqa: E402
 
 
-def run(cmd, timeout: float = 600, quiet: bool = False) -> str:
+def run(cmd, timeout: float = 600, quiet: bool = False, env: dict | None = None) -> str:
     """Run `cmd` (a list, or a string split like a shell would) from the repo root.
 
     Prints its standard output (unless quiet) and returns it; raises with the tail of the
@@ -25,8 +30,8 @@ def run(cmd, timeout: float = 600, quiet: bool = False) -> str:
     if isinstance(cmd, str):
         cmd = shlex.split(cmd)
     cmd = [PYTHON if c == "python" else str(c) for c in cmd]
-    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    full_env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if not quiet:
         print(proc.stdout, end="")
     if proc.returncode != 0:
@@ -35,6 +40,49 @@ def run(cmd, timeout: float = 600, quiet: bool = False) -> str:
 
 
 def final(output: str) -> dict:
-    """The `final:` summary line of a run as a dict of strings."""
-    line = [ln for ln in output.splitlines() if ln.startswith("final: ")][-1]
-    return dict(pair.split("=", 1) for pair in line[len("final: "):].split())
+    """The `final:` summary line of a run, as a dict (numbers converted)."""
+    return common.parse_lines(output, "final")[-1]
+
+
+def records(output: str, kind: str) -> list[dict]:
+    """Every `kind: key=value ...` line of a run (kind: step, epoch, shard, final), as dicts."""
+    return common.parse_lines(output, kind)
+
+
+def show(script: str, *names: str, marked: str = "") -> None:
+    """Print lines of a course script with their line numbers: the named functions, and every statement that
+    carries (or follows) a comment starting with `marked`, such as "DDP:"."""
+    path = REPO / script
+    text = path.read_text()
+    lines = text.splitlines()
+    spans = []
+    statements = []  # (first line, last line, is compound) of every statement below the functions
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            if node.name in names:
+                spans.append((min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno))
+        elif isinstance(node, ast.stmt):
+            body = getattr(node, "body", None)
+            compound = isinstance(body, list) and body and isinstance(body[0], ast.stmt)
+            small = compound and node.end_lineno - node.lineno <= 3
+            statements.append((node.lineno, node.end_lineno if small or not compound else body[0].lineno - 1))
+    for number, line in enumerate(lines, 1) if marked else ():
+        if f"# {marked}" not in line:
+            continue
+        owner = [span for span in statements if span[0] <= number <= span[1]]
+        if line.strip().startswith("#"):  # a comment: it, the comment lines after it, and the statement after them
+            after = [span for span in statements if span[0] > number]
+            spans += [(number, min(after)[0] - 1 if after else number)] + ([min(after)] if after else [])
+        elif owner:
+            spans.append(min(owner, key=lambda span: span[1] - span[0]))
+    shown, previous = set(), None
+    print(f"# {script}")
+    for start, end in sorted(spans):
+        for number in range(start, end + 1):
+            if number in shown:
+                continue
+            if previous is not None and number > previous + 1:
+                print("    ...")
+            print(f"{number:4d}  {lines[number - 1]}")
+            shown.add(number)
+            previous = number

@@ -1,7 +1,9 @@
 """Run course commands the way a user would, in a subprocess, and check what they leave behind.
 
-Every command gets an outer timeout, its own session (so that everything it starts can be
-found again), its whole output captured, and a check that no process of its session outlives it.
+Every command gets an outer timeout, its own session, its whole output captured, and a tag in its environment
+that every process it starts inherits (torchrun puts each worker in a session of its own, so the session alone
+does not find them). No tagged process may outlive the command; whatever stops the test (the outer timeout,
+pytest-timeout, an assertion) kills the tagged processes first, and only those.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import common
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -36,46 +41,53 @@ class Result:
         return f"$ {' '.join(map(str, self.cmd))}\n(exit {self.returncode})\n{self.output[-chars:]}"
 
 
-def session_processes(sid: int) -> list[int]:
-    """PIDs of live (non-zombie) processes whose session id is `sid`, read from /proc."""
-    pids = []
+TAG = "COURSE_TEST_TAG"
+
+
+def tagged_processes(tag: str, group: int | None = None) -> list[int]:
+    """PIDs of live (non-zombie) processes whose environment holds TAG=tag, or in process group `group`.
+
+    Read from /proc. The group catches a process whose environment cannot be read at that instant (in the
+    middle of an exec); the tag catches one that left the group (setsid, as the launchers' workers do).
+    """
+    pids, marker = [], f"{TAG}={tag}".encode()
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != group and marker not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[1].split()  # the command name may contain spaces and parentheses
-        state, session = fields[0], int(fields[3])
-        if session == sid and state != "Z":
+        if fields[0] != "Z":
             pids.append(int(entry.name))
     return pids
 
 
+def kill_tagged(tag: str, group: int | None = None) -> None:
+    for pid in tagged_processes(tag, group):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def parse_final(text: str) -> dict:
     """The last `final: key=value ...` line as a dict (numbers converted), or {} if there is none."""
-    lines = [ln for ln in text.splitlines() if ln.startswith("final: ")]
-    if not lines:
-        return {}
-    out = {}
-    for pair in lines[-1][len("final: "):].split():
-        key, _, value = pair.partition("=")
-        for conv in (int, float):
-            try:
-                value = conv(value)
-                break
-            except ValueError:
-                pass
-        out[key] = value
-    return out
+    rows = common.parse_lines(text, "final")
+    return rows[-1] if rows else {}
 
 
 def run(cmd, *, timeout: float = 180, env: dict | None = None, cwd=REPO, expect_rc: int | None = 0,
-        stdin_text: str | None = None) -> Result:
-    """Run `cmd`; fail the test on timeout, on an unexpected exit code, or on leftover processes."""
+        stdin_text: str | None = None, linger: float = 10) -> Result:
+    """Run `cmd`; fail the test on timeout, on an unexpected exit code, or on leftover processes.
+
+    Processes still running `linger` seconds after `cmd` ended count as left behind (and are stopped).
+    """
     cmd = [str(c) for c in cmd]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **(env or {})}
+    tag = uuid.uuid4().hex
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **(env or {}), TAG: tag}
     start = time.time()
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, text=True, start_new_session=True,
                             stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
@@ -85,16 +97,18 @@ def run(cmd, *, timeout: float = 180, env: dict | None = None, cwd=REPO, expect_
         out, err = proc.communicate(stdin_text, timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)  # the session we created, and only that
+        kill_tagged(tag, proc.pid)  # what we started, and only that
         out, err = proc.communicate()
+    except BaseException:  # pytest-timeout, Ctrl-C: leave nothing running
+        kill_tagged(tag, proc.pid)
+        raise
     result = Result(cmd, proc.returncode, out, err, time.time() - start, parse_final(out))
 
-    deadline = time.time() + 10
-    while session_processes(proc.pid) and time.time() < deadline:
+    deadline = time.time() + linger
+    while tagged_processes(tag, proc.pid) and time.time() < deadline:
         time.sleep(0.2)
-    leftovers = session_processes(proc.pid)
-    if leftovers:
-        os.killpg(proc.pid, signal.SIGKILL)
+    leftovers = tagged_processes(tag, proc.pid)
+    kill_tagged(tag, proc.pid)
     assert not timed_out, f"timed out after {timeout} s\n{result.tail()}"
     assert not leftovers, f"processes left behind: {leftovers}\n{result.tail()}"
     if expect_rc is not None:
@@ -106,5 +120,59 @@ def python(script, *args, **kw) -> Result:
     return run([PYTHON, REPO / script, *args], **kw)
 
 
+_IN_ONE_PROCESS = r"""
+import contextlib, io, json, os, runpy, sys
+results, environ = [], dict(os.environ)
+for script, argv, env in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv, sys.path[0] = [script, *argv], os.path.dirname(script)
+    os.environ.clear()
+    os.environ.update({**environ, **env})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, (int, type(None))) else str(stop.code)
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def exits(calls: list[tuple], env: dict | None = None, timeout: float = 300) -> list[tuple]:
+    """(exit code, stdout, stderr) of each call (SCRIPT, ARGV) or (SCRIPT, ARGV, ENV) that ends before it trains.
+
+    For help, bad input and checks: all calls run in one interpreter, which imports torch once instead of once
+    per call. `env` applies to every call, a call's ENV on top of it. The script's `__main__` block runs as usual,
+    except that workarounds.leave() returns instead of ending the process (COURSE_WORKAROUNDS=off). A SystemExit
+    with a message gives the message as its code.
+    """
+    import json
+
+    payload = json.dumps([[str(REPO / call[0]), [str(a) for a in call[1]], call[2] if len(call) > 2 else {}]
+                          for call in calls])
+    res = run([PYTHON, "-c", _IN_ONE_PROCESS, payload], env={**(env or {}), "COURSE_WORKAROUNDS": "off"},
+              timeout=timeout)
+    return [tuple(r) for r in json.loads(res.stdout)]
+
+
 def make(*args, **kw) -> Result:
     return run(["make", "--no-print-directory", *args], **kw)
+
+
+def check_shards(text: str, world_size: int, samples: int = 24000, epochs: int | None = None) -> None:
+    """The `shard:` lines of a run with --show-shards: every epoch the ranks' shards are disjoint and cover the
+    training set exactly once (counts, sums and sums of squares add up), and every rank's order changes from
+    one epoch to the next (set_epoch)."""
+    shards = common.parse_lines(text, "shard")
+    seen = sorted({s["epoch"] for s in shards})
+    assert seen and (epochs is None or seen == list(range(1, epochs + 1))), seen
+    for epoch in seen:
+        rows = [s for s in shards if s["epoch"] == epoch]
+        assert sorted(s["rank"] for s in rows) == list(range(world_size)), rows
+        assert sum(s["samples"] for s in rows) == samples, f"epoch {epoch}: the shards must cover the set once"
+        assert sum(s["sum"] for s in rows) == samples * (samples - 1) // 2, f"epoch {epoch}: not one cover"
+        assert sum(s["sumsq"] for s in rows) == sum(i * i for i in range(samples)), f"epoch {epoch}: not one cover"
+    for rank in range(world_size):
+        orders = [s["order"] for s in shards if s["rank"] == rank]
+        assert len(set(orders)) == len(orders), f"rank {rank} sees the same order every epoch: set_epoch missing?"

@@ -1,5 +1,7 @@
 """Section 01: the single-process baseline and nn.DataParallel."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -80,3 +82,40 @@ def test_one_gpu_dataparallel_refuses_another_output_device():
     """With one device, DataParallel calls the module and gathers nothing: outputs stay on that GPU."""
     res = python("01_dataparallel/mnist_dataparallel.py", "--gpus", "0", "--output-device", "1", expect_rc=2)
     assert "--output-device must be that GPU" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_loss_inside_forward_gathers_one_loss_per_gpu_and_mean_weighs_pieces_equally():
+    out = python("01_dataparallel/dataparallel_shapes.py", "--gpus", "4", "--loss-inside").stdout
+    sizes = [int(v) for v in re.search(r"pieces of \[([\d, ]+)\] samples on 4 GPU", out)[1].split(",")]
+    losses = [float(v) for v in re.search(r"gathered losses: \[([-\d., ]+)\] \(shape \[4\]\)", out)[1].split(",")]
+    mean, whole = (float(v) for v in re.search(r"loss\.mean\(\) = ([\d.]+); the loss of the whole batch = ([\d.]+)",
+                                               out).groups())
+    assert sizes == [8, 8, 8, 6] and len(losses) == 4
+    assert abs(mean - sum(losses) / 4) < 2e-4  # the plain mean of the gathered vector
+    weighted = sum(n * v for n, v in zip(sizes, losses, strict=True)) / sum(sizes)
+    assert abs(weighted - whole) < 2e-4 and abs(mean - whole) > 1e-3  # the whole batch weighs by size
+
+
+@pytest.mark.cuda
+def test_dataparallel_on_one_gpu_moves_the_model_and_returns_the_output_where_it_is():
+    model = nn.Linear(5, 2)  # on the CPU: with one GPU in device_ids, DP moves it there itself
+    dp = nn.DataParallel(model, device_ids=[0], output_device=0)
+    out = dp(torch.randn(4, 5, device="cuda:0"))
+    assert next(model.parameters()).device == torch.device("cuda:0") and out.device == torch.device("cuda:0")
+
+
+@pytest.mark.multigpu
+def test_dataparallel_checks_the_model_device_at_the_first_forward_not_at_the_wrap():
+    x = torch.randn(8, 5, device="cuda:0")
+    wrapped_first = nn.DataParallel(nn.Linear(5, 2), device_ids=[0, 1])
+    wrapped_first.cuda()  # .cuda() after the wrap: fine, as the notes say
+    assert wrapped_first(x).shape == (8, 2)
+    elsewhere = nn.DataParallel(nn.Linear(5, 2).to("cuda:1"), device_ids=[0, 1])  # the wrap itself accepts it
+    with pytest.raises(RuntimeError, match=r"module must have its parameters and buffers on device cuda:0"):
+        elsewhere(x)
+
+
+@pytest.mark.cuda
+def test_dataparallel_script_refuses_the_cpu_on_a_gpu_machine():
+    res = python("01_dataparallel/mnist_dataparallel.py", "--device", "cpu", expect_rc=2)
+    assert "mnist_single.py" in res.stderr and "Traceback" not in res.stderr

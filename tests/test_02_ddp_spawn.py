@@ -1,5 +1,6 @@
 """Section 02: DDP started with mp.spawn. Every multi-process test really launches the processes."""
 
+import json
 import re
 import shutil
 
@@ -8,7 +9,7 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 import common
-from harness import PYTHON, REPO, make, python, run
+from harness import PYTHON, REPO, check_shards, make, python, run
 
 # ------------------------------------------------------------------ DistributedSampler, in-process
 
@@ -91,11 +92,15 @@ def test_mp_spawn_needs_the_main_guard(tmp_path):
 
 
 @pytest.mark.slow
-def test_headline_spawn_run_reaches_97_percent(data_dir):
-    res = make("ddp-spawn", "NPROC=2", f"ARGS=--dataset mnist-standin --data-dir {data_dir}", timeout=240)
+def test_headline_spawn_run_reaches_97_percent_with_disjoint_shards_and_equal_weights(data_dir):
+    res = make("ddp-spawn", "NPROC=2", f"ARGS=--dataset mnist-standin --data-dir {data_dir} --show-shards",
+               timeout=240)
     final = res.final
     assert final["world_size"] == 2 and final["test_samples"] == 4000 and final["epochs"] == 2
     assert final["test_acc"] >= 0.97, res.tail()
+    check_shards(res.stdout, world_size=2, epochs=2)
+    assert final["ranks_agree"] == "True", "every rank ends with the same weights and BatchNorm statistics"
+    assert "leaked semaphore" not in res.stderr
 
 
 def spawn_runs(folder, data_dir, nproc, device="cpu"):
@@ -110,7 +115,7 @@ def spawn_runs(folder, data_dir, nproc, device="cpu"):
     a_dir, b_dir = folder / f"A{nproc}{device}", folder / f"B{nproc}{device}"
     a = run(base + ["--epochs", "2", "--checkpoint-dir", a_dir], cwd=folder, timeout=180)
     b1 = run(base + ["--epochs", "1", "--checkpoint-dir", b_dir], cwd=folder, timeout=180)
-    b2 = run(base + ["--epochs", "2", "--checkpoint-dir", b_dir, "--resume"], cwd=folder, timeout=180)
+    b2 = run(base + ["--epochs", "2", "--checkpoint-dir", b_dir], cwd=folder, timeout=180)  # continues by itself
     assert "resumed from" in b2.stdout and "after epoch 1" in b2.stdout
     straight = common.load_checkpoint(a_dir / "mnist_spawn.pt")
     resumed = common.load_checkpoint(b_dir / "mnist_spawn.pt")
@@ -119,9 +124,9 @@ def spawn_runs(folder, data_dir, nproc, device="cpu"):
 
 @pytest.fixture(scope="module")
 def copied(tmp_path_factory):
-    """A folder holding only mnist_spawn.py and common.py: what a user copies into a project."""
+    """A folder holding only mnist_spawn.py and what it imports: what a user copies into a project."""
     folder = tmp_path_factory.mktemp("copied")
-    for name in ("02_ddp_spawn/mnist_spawn.py", "common.py"):
+    for name in ("02_ddp_spawn/mnist_spawn.py", "common.py", "workarounds.py", "standins.py"):
         shutil.copy(REPO / name, folder)
     return folder
 
@@ -137,9 +142,10 @@ def test_three_ranks_exact_evaluation_and_resume(copied, data_dir):
     test_set = common.load_dataset("mnist-standin", data_dir, train=False)
     correct, samples, _ = common.evaluate(model, common.batch_loader(test_set, 1000), "cpu").tolist()
     assert samples == 4000 and round(correct / samples, 4) == a.final["test_acc"]
-    # with 3 ranks the resumed run's first all-reduce adds in another order: equal up to rounding
-    for key, value in straight["model"].items():
-        assert torch.allclose(value.double(), resumed["model"][key].double(), rtol=1e-3, atol=1e-4), key
+    # with 3 ranks the resumed run's first all-reduce adds in another order: equal to about 1e-5 (the README's claim)
+    worst = max((value.double() - resumed["model"][key].double()).abs().max().item()
+                for key, value in straight["model"].items())
+    assert worst <= 1e-5, worst
 
 
 @pytest.mark.slow
@@ -159,8 +165,6 @@ def test_spawn_refuses_impossible_requests():
     res = python("02_ddp_spawn/mnist_spawn.py", "--backend", "nccl", "--nproc", str(gpus + 1), expect_rc=2)
     assert ("nccl needs CUDA" if gpus == 0 else "NCCL needs one GPU per process") in res.stderr
     assert "Traceback" not in res.stderr
-    res = python("02_ddp_spawn/mnist_spawn.py", "--resume", expect_rc=2)
-    assert "--resume needs --checkpoint-dir" in res.stderr
     res = make("ddp-spawn", "NPROC=0", expect_rc=2)
     assert "NPROC must be a whole number" in res.stderr
 
@@ -179,3 +183,42 @@ def test_resume_on_a_gpu(copied, data_dir):
         assert torch.allclose(value.double(), resumed["model"][key].double(), rtol=0, atol=1e-5), key
 
 
+
+
+@pytest.mark.slow
+def test_timeline_all_reduce_overlaps_backward_only_with_several_buckets(tmp_path):
+    # ResNet-18 has ~45 MB of gradients: several buckets by default, one with bucket_cap_mb=10000
+    out = make("ddp-timeline", "NPROC=2", f"ARGS=--models resnet18 --steps 2 --batch-size 8 --output-dir {tmp_path}",
+               timeout=240).stdout
+    for rank in (0, 1):
+        seen = {}
+        for variant in ("default", "one-bucket", "no-sync"):
+            trace = json.loads((tmp_path / "traces" / f"resnet18_{variant}_rank{rank}.json").read_text())
+            events = trace["traceEvents"]
+            assert any(e.get("name", "").startswith("autograd::engine::evaluate_function") for e in events), \
+                "not a torch.profiler trace"
+            ours = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("compute", "allreduce")
+                    and "(step " in e.get("name", "")]
+            steps = {}
+            for e in ours:
+                steps.setdefault(e["name"].rsplit("(step ", 1)[1], []).append(e)
+            assert len(steps) == 2, sorted(steps)
+            for step in steps.values():
+                computes = sorted((e for e in step if e["name"].startswith("backward compute")), key=lambda e: e["ts"])
+                backwards = sorted((e for e in step if e["name"].startswith("backward (")), key=lambda e: e["ts"])
+                buckets = [e for e in step if e["cat"] == "allreduce"]
+                compute_end = computes[-1]["ts"] + computes[-1]["dur"]
+                first = min(e["ts"] for e in buckets)
+                seen.setdefault(variant, []).append((len(buckets), first < compute_end))
+                if variant == "no-sync":  # 4 micro-batches; nothing all-reduced before the last backward
+                    assert len(backwards) == 4
+                    assert first >= backwards[-1]["ts"]
+                # the all-reduce of the backward is waited for inside it
+                assert max(e["ts"] + e["dur"] for e in buckets) <= backwards[-1]["ts"] + backwards[-1]["dur"] + 1
+        assert all(n >= 2 and early for n, early in seen["default"]), seen  # starts while backward computes
+        assert all(n == 1 and not early for n, early in seen["one-bucket"]), seen  # only after the last gradient
+    summary = json.loads((tmp_path / "timeline.json").read_text())["results"]
+    assert summary["resnet18/default"]["hidden_share"] > 0
+    assert summary["resnet18/one-bucket"]["hidden_share"] == 0
+    assert (tmp_path / "timeline_resnet18.png").stat().st_size > 10_000
+    assert re.search(r"resnet18 +default +step", out), out

@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 
 import common
-from harness import PYTHON, REPO, make, python, run
+from harness import PYTHON, REPO, check_shards, exits, make, python, run
 
 SHORT = "--dataset mnist-standin --data-dir {} --epochs 1 --max-steps 20 --timeout 60"
 
 
 @pytest.mark.slow
 def test_two_nodes_by_hand_over_tcp(data_dir):
-    res = make("multinode-tcp", "NNODES=2", "NPROC=2", "ARGS=" + SHORT.format(data_dir), timeout=240)
+    res = make("multinode-tcp", "NNODES=2", "NPROC=2", "ARGS=--show-shards " + SHORT.format(data_dir), timeout=240)
+    check_shards(res.stdout, world_size=4, epochs=1)
+    assert res.final["ranks_agree"] == "True"
     for rank, node, local in ((0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)):
         assert f"rank {rank} (node {node}, local rank {local}) of 4 joined via tcp" in res.stdout
     assert "--node-rank 1 --local-rank 1" in res.stdout, "each process's command is printed"
@@ -30,7 +32,7 @@ def test_two_simulated_nodes_get_a_gpu_each(data_dir):
     """Each simulated node sees only its own GPU (CUDA_VISIBLE_DEVICES), numbered 0 inside it: no duplicate GPU."""
     res = make("multinode-tcp", "NNODES=2", "NPROC=1", "ARGS=" + SHORT.format(data_dir), timeout=240)
     assert "CUDA_VISIBLE_DEVICES=0 " in res.stdout and "CUDA_VISIBLE_DEVICES=1 " in res.stdout
-    assert "with 2 processes (nccl, cuda)" in res.stdout
+    assert "this run: 1 process(es) per node on cuda with nccl" in res.stdout
     assert res.final["world_size"] == 2 and res.final["test_samples"] == 4000
 
 
@@ -114,18 +116,18 @@ def test_mnist_tcp_refuses_impossible_ranks():
     cases = [
         (["--world-size", "2", "--rank", "2"], "rank 2 is not below --world-size 2"),
         (["--world-size", "4", "--nproc-per-node", "2", "--node-rank", "1", "--local-rank", "2"],
-         "--local-rank 2 must be below --nproc-per-node 2"),
+         "--local-rank (0 .. nproc-per-node - 1)"),
         (["--world-size", "4", "--nproc-per-node", "2", "--node-rank", "2", "--local-rank", "0"],
          "rank 4 is not below --world-size 4"),
-        (["--world-size", "4", "--node-rank", "1", "--local-rank", "0"], "--node-rank needs --nproc-per-node"),
-        (["--world-size", "2"], "give --rank, or --node-rank and --local-rank"),
+        (["--world-size", "4", "--node-rank", "1", "--local-rank", "0"], "--node-rank with --nproc-per-node"),
+        (["--world-size", "2"], "give --rank, or --node-rank with --nproc-per-node and --local-rank"),
+        (["--world_size", "2", "-r", "0", "--use_mix_precision"],  # the source notes' command line
+         "--use_mix_precision: mixed precision is the lesson of step 6: 06_amp_syncbn/mnist_amp_syncbn.py"),
     ]
-    for extra, message in cases:
-        res = python(*base, *extra, expect_rc=2)
-        assert message in res.stderr and "Traceback" not in res.stderr, (extra, res.stderr)
-    res = python("04_multinode_tcp/mnist_tcp.py", "--init-method", "env://", "--world-size", "1", "--rank", "0",
-                 expect_rc=2)
-    assert "--init-method must be tcp://" in res.stderr
+    cases.append((["--init-method", "env://", "--world-size", "1", "--rank", "0"], "--init-method must be tcp://"))
+    answers = exits([(base[0], base[1:] + extra) for extra, _ in cases])  # argparse: the last --init-method wins
+    for (extra, message), (code, _, err) in zip(cases, answers, strict=True):
+        assert code == 2 and message in err and "Traceback" not in err, (extra, err)
 
 
 def _can_make_netns() -> str | None:
@@ -194,3 +196,17 @@ def test_slurm_script_builds_the_torchrun_command_and_runs(tmp_path, data_dir):
                      r"--rdzv-endpoint localhost:24242 --rdzv-id 4242 --rdzv-conf join_timeout=300 "
                      r"03_ddp_torchrun/mnist_torchrun.py", res.stdout), res.stdout
     assert res.final["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_one_command_per_machine_with_machines_of_2_and_1_processes():
+    out = make("multinode-spawn", "PROCS=2,1", timeout=180).stdout
+    # one command per "machine", each spawning its own processes, with the notes' rank arithmetic
+    assert len(re.findall(r"^machine \d: \S*spawn_per_node\.py --nproc-per-node 2,1 --node-rank \d", out, re.M)) == 2
+    found = {int(r): (int(before), int(local), int(machine)) for r, before, local, machine in re.findall(
+        r"^rank (\d+) = (\d+) \(processes on the machines before\) \+ local rank (\d+), on machine (\d+)", out, re.M)}
+    assert found == {0: (0, 0, 0), 1: (0, 1, 0), 2: (2, 0, 1)}, out
+    result = re.search(r"^result: world_size=(\d+) machines=(\d+) w=([-\d.]+) b=([-\d.]+) ranks_agree=(\w+)$",
+                       out, re.M)
+    assert result and result[1] == "3" and result[2] == "2" and result[5] == "True", out
+    assert abs(float(result[3]) - 2) < 0.1 and abs(float(result[4]) - 1) < 0.1  # DDP learned y = 2x + 1

@@ -1,12 +1,13 @@
 """Section 06: mixed precision, SyncBatchNorm, gradient accumulation, CIFAR-10 ResNet-18."""
 
 import re
+import sys
 
 import pytest
 import torch
 
 import common
-from harness import REPO, TORCHRUN, make, run
+from harness import PYTHON, REPO, TORCHRUN, make, run
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
 
@@ -33,6 +34,7 @@ def test_bf16_with_sync_bn_converges_like_fp32(data_dir):
     else:
         assert bf16.final["amp"] == "fp16", "auto is fp16 on CUDA"
     assert bf16.final["sync_bn"] == "True" and fp32.final["amp"] == "off"
+    assert bf16.final["ranks_agree"] == fp32.final["ranks_agree"] == "True"
     assert bf16.final["test_samples"] == 4000
     assert fp32.final["test_acc"] > 0.94
     assert abs(bf16.final["test_acc"] - fp32.final["test_acc"]) < 0.01
@@ -43,7 +45,7 @@ def test_scaler_state_survives_the_checkpoint_and_resume_continues_identically(d
     base = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
             *STANDIN.format(data_dir).split(), "--amp", "fp16", "--max-steps", "8", "--device", "cpu"]
     straight = run(base + ["--epochs", "2", "--checkpoint-dir", tmp_path / "A"], timeout=180)
-    assert "WARNING: fp16 autocast on a CPU runs, but about 10x slower" in straight.stdout
+    assert "WARNING: fp16 autocast on a CPU runs, but bf16 is the mixed precision for CPUs" in straight.stdout
     run(base + ["--epochs", "1", "--checkpoint-dir", tmp_path / "B"], timeout=180)
     resumed = run(base + ["--epochs", "2", "--checkpoint-dir", tmp_path / "B"], timeout=180)
     assert "resumed from" in resumed.stdout
@@ -52,6 +54,29 @@ def test_scaler_state_survives_the_checkpoint_and_resume_continues_identically(d
     assert a["scaler"] and a["scaler"] == b["scaler"], "GradScaler's scale and growth tracker are restored"
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
+
+
+@pytest.mark.slow
+def test_two_ranks_of_b_equal_one_process_of_2b_through_the_real_scripts(data_dir, tmp_path):
+    """One SGD step: 2 ranks x 32 images (DDP, synced BatchNorm) against mnist_single.py with the 64 of them.
+
+    The DistributedSampler of epoch 0 and the baseline's RandomSampler draw the same permutation from the same
+    seed, so the two ranks' first batches are together exactly the baseline's first batch. DDP averages the
+    gradients and the all_reduce batch norm sees the 64 images, so the weights must agree to float rounding.
+    """
+    common_args = [*STANDIN.format(data_dir).split(), "--epochs", "1", "--max-steps", "1"]
+    run([PYTHON, REPO / "01_dataparallel/mnist_single.py", *common_args, "--batch-size", "64",
+         "--checkpoint-dir", tmp_path / "one"], timeout=120)
+    run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
+         *common_args, "--batch-size", "32", "--amp", "off", "--sync-bn", "--device", "cpu",
+         "--checkpoint-dir", tmp_path / "two"], timeout=180)
+    one = common.load_checkpoint(tmp_path / "one" / "mnist_single.pt")["model"]
+    two = common.load_checkpoint(tmp_path / "two" / "mnist_amp_syncbn.pt")["model"]
+    common.seed_everything(0)  # the scripts' default seed: the weights both started from
+    start = common.ConvNet().state_dict()
+    assert (one["fc.weight"] - start["fc.weight"]).abs().max() > 1e-4, "the step must have changed the weights"
+    worst = max((one[k].double() - two[k].double()).abs().max().item() for k in one)
+    assert worst < 1e-6, f"2 ranks x 32 differ from 1 process x 64 by {worst}"
 
 
 @pytest.mark.slow
@@ -69,11 +94,16 @@ def test_cifar_resnet_short_run_with_accumulation(tmp_path):
     assert res.final["world_size"] == 2 and res.final["test_samples"] == 2000
     state = torch.load(tmp_path / "ck" / "cifar_resnet.pt", weights_only=True)
     assert state["epoch"] == 1 and "scaler" in state
+    group = state["optimizer"]["param_groups"][0]  # SGD with momentum 0.9 and weight decay 5e-4, as the README says
+    assert (group["momentum"], group["weight_decay"]) == (0.9, 5e-4)
 
 
 def test_augment_cifar_crops_and_flips_whole_batches():
+    sys.path.insert(0, str(REPO / "06_amp_syncbn"))
+    from cifar_resnet import augment_cifar
+
     x = torch.arange(2 * 3 * 32 * 32, dtype=torch.float32).view(2, 3, 32, 32)
-    out = common.augment_cifar(x, torch.Generator().manual_seed(0))
+    out = augment_cifar(x, torch.Generator().manual_seed(0))
     assert out.shape == x.shape
     assert not torch.equal(out, x), "a crop offset or a flip changes the image"
 
@@ -105,3 +135,24 @@ def test_nn_syncbatchnorm_uses_the_statistics_of_all_ranks():
     assert m, out
     assert float(m.group(1)) < 1e-5 and float(m.group(3)) < 1e-5
     assert float(m.group(2)) > 0.1
+
+
+def test_pytorchs_syncbatchnorm_cannot_train_on_a_cpu():
+    code = """
+import torch, torch.distributed as dist
+from torch import nn
+import common
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{common.free_port()}", rank=0, world_size=1)
+model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)))
+for name, step in [("wrap", lambda: nn.parallel.DistributedDataParallel(model)),
+                   ("forward", lambda: model.train()(torch.randn(4, 1, 5, 5)))]:
+    try:
+        step()
+        print(name, "ran")
+    except (RuntimeError, ValueError) as err:
+        print(name, "raised:", str(err).splitlines()[0])
+dist.destroy_process_group()
+"""
+    out = run([PYTHON, "-c", code], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120).stdout
+    assert "wrap raised: SyncBatchNorm layers only work with GPU modules" in out, out
+    assert "forward raised: SyncBatchNorm expected input tensor to be on GPU" in out, out

@@ -18,6 +18,7 @@ BENCHES = {  # name: what its JSON must hold besides the machine
     "amp": ["results", "ratios", "final_loss", "per_round"],
     "buckets": ["results", "ratios", "buckets", "per_round"],
     "allreduce_sweep": ["rows", "ring_vs_all_reduce", "memcpy_GBps"],
+    "comm_hooks": ["results", "ratios", "config"],
 }
 
 
@@ -72,7 +73,7 @@ def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, da
         assert md.startswith("# ") and "| ---" in md, f"{bench}: no markdown table"
         assert "> Quick run" in md, f"{bench}: a quick table must say that it is one"
         assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{bench}: not a PNG"
-        if "results" in data:
+        if "per_round" in data:  # measured in rounds: median, min and max
             assert data["results"] and all(well_formed(s) for s in data["results"].values()), data["results"]
             assert all(well_formed(s, positive=not k.endswith("overhead")) for k, s in data["ratios"].items())
 
@@ -95,6 +96,15 @@ def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, da
 
     buckets = json.loads(next(out.glob("buckets_*.json")).read_text())
     assert buckets["buckets"]["1 MB"] > buckets["buckets"]["25 MB"] >= 1, buckets["buckets"]
+
+    hooks = json.loads(next(out.glob("comm_hooks_*.json")).read_text())
+    assert set(hooks["results"]) == {f"{m}/{h}" for m in ("convnet", "resnet18")
+                                     for h in ("all_reduce", "fp16", "bf16", "powersgd")}
+    for model in ("convnet", "resnet18"):  # 16-bit hooks send half the bytes of the default, exactly
+        full = hooks["results"][f"{model}/all_reduce"]["mb_per_step"]
+        assert full > 0 and all(hooks["results"][f"{model}/{h}"]["mb_per_step"] == full / 2 for h in ("fp16", "bf16"))
+        assert all(math.isfinite(r["final_loss"]) and r["images_per_s"] > 0 for r in hooks["results"].values())
+    assert 0 < hooks["results"]["convnet/powersgd"]["test_acc"] <= 1
 
     sweep = json.loads(next(out.glob("allreduce_sweep_*.json")).read_text())
     ops = {row["op"] for row in sweep["rows"]}
@@ -119,7 +129,7 @@ def test_benchmarks_refuse_bad_input(tmp_path):
 
 # ------------------------------------------------------------------ make gpu-check: what runs where
 
-NOT_RUN_BY_GPU_CHECK = {"help", "setup", "data", "test", "test-fast", "notebooks", "diffs", "lint", "clean",
+NOT_RUN_BY_GPU_CHECK = {"help", "setup", "data", "test", "test-fast", "notebooks", "diffs", "mutants", "lint", "clean",
                         "distclean", "check-nproc", "check-nnodes", "bench", "bench-quick", "gpu-check"}
 
 

@@ -1,25 +1,28 @@
 """Unit tests of common.py: data stand-ins, device/backend choice, files, ports, CLI checks."""
 
-import argparse
 import ast
+import os
 import pickle
 import signal
 import socket
+import stat
 import subprocess
 import textwrap
 
 import pytest
 import torch
 import torchvision
+from torch.utils.data.distributed import DistributedSampler
 
 import common
+import standins
 from harness import PYTHON, REPO
 
 # ------------------------------------------------------------------ stand-ins through torchvision's own classes
 
 
 def test_mnist_standin_reads_through_torchvision_mnist(data_dir):
-    n_train, n_test = common.STANDIN_SIZES["mnist"]
+    n_train, n_test = standins.STANDIN_SIZES["mnist"]
     for train, n in ((True, n_train), (False, n_test)):
         ds = torchvision.datasets.MNIST(str(data_dir / common.STANDIN_SUBDIR), train=train)
         assert len(ds) == n
@@ -34,30 +37,30 @@ def test_mnist_standin_reads_through_torchvision_mnist(data_dir):
 def test_cifar_standin_reads_through_torchvision_cifar10(data_dir):
     cls = common.cifar10_standin_class()
     assert issubclass(cls, torchvision.datasets.CIFAR10)
-    n_train, n_test = common.STANDIN_SIZES["cifar10"]
+    n_train, n_test = standins.STANDIN_SIZES["cifar10"]
     for train, n in ((True, n_train), (False, n_test)):
         ds = cls(str(data_dir / common.STANDIN_SUBDIR), train=train)
         assert len(ds) == n and ds.data.shape == (n, 32, 32, 3)
         assert sorted(set(ds.targets)) == list(range(10))
-        assert ds.classes == common.CIFAR_CLASSES
+        assert ds.classes == standins.CIFAR_CLASSES
         image, label = ds[0]
         assert image.size == (32, 32) and 0 <= label < 10
 
 
 def test_standins_are_deterministic_and_seed_dependent():
-    a, la = common.make_mnist_standin(64, seed=7)
-    b, lb = common.make_mnist_standin(64, seed=7)
-    c, _ = common.make_mnist_standin(64, seed=8)
+    a, la = standins.make_mnist_standin(64, seed=7)
+    b, lb = standins.make_mnist_standin(64, seed=7)
+    c, _ = standins.make_mnist_standin(64, seed=8)
     assert torch.equal(a, b) and torch.equal(la, lb)
     assert not torch.equal(a, c)
-    x1, _ = common.make_cifar_standin(32, seed=3)
-    x2, _ = common.make_cifar_standin(32, seed=3)
+    x1, _ = standins.make_cifar_standin(32, seed=3)
+    x2, _ = standins.make_cifar_standin(32, seed=3)
     assert torch.equal(x1, x2)
 
 
 def test_mnist_standin_is_not_trivial():
     """Same-class images must differ a lot (random warps), or accuracy would mean nothing."""
-    images, labels = common.make_mnist_standin(400, seed=1)
+    images, labels = standins.make_mnist_standin(400, seed=1)
     ones = images[labels == 1].float()
     spread = (ones - ones.mean(0)).abs().mean()
     assert spread > 20, f"images of one class are nearly identical (mean abs deviation {spread:.1f})"
@@ -66,11 +69,11 @@ def test_mnist_standin_is_not_trivial():
 def test_load_dataset_gives_normalised_tensors(data_dir):
     train = common.load_dataset("mnist-standin", data_dir, train=True)
     x, y = train.tensors
-    assert x.shape == (common.STANDIN_SIZES["mnist"][0], 1, 28, 28) and x.dtype == torch.float32
+    assert x.shape == (standins.STANDIN_SIZES["mnist"][0], 1, 28, 28) and x.dtype == torch.float32
     assert y.dtype == torch.long
     assert -0.5 < x.mean() < 0.5 and 0.5 < x.std() < 1.5
     test = common.load_dataset("cifar10-standin", data_dir, train=False)
-    assert test.tensors[0].shape == (common.STANDIN_SIZES["cifar10"][1], 3, 32, 32)
+    assert test.tensors[0].shape == (standins.STANDIN_SIZES["cifar10"][1], 3, 32, 32)
 
 
 def test_auto_falls_back_to_standin_loudly(tmp_path, monkeypatch, capsys):
@@ -82,7 +85,7 @@ def test_auto_falls_back_to_standin_loudly(tmp_path, monkeypatch, capsys):
 
 
 def test_auto_prefers_real_data_when_present(tmp_path):
-    common.write_mnist_standin(tmp_path, sizes=(20, 10))  # real-format files where real MNIST lives
+    standins.write_mnist_standin(tmp_path, sizes=(20, 10))  # real-format files where real MNIST lives
     assert common.prepare_data("auto", tmp_path) == "mnist"
     assert common.resolve_dataset("auto", tmp_path) == "mnist"
 
@@ -175,21 +178,22 @@ def test_gpus_older_than_the_build_are_not_used(monkeypatch):
 
 
 def _parser(distributed=True):
-    parser = argparse.ArgumentParser(prog="x")
+    parser = common.ArgumentParser(prog="x")
     common.add_common_args(parser, distributed=distributed)
     return parser
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--dataset", "imagenet"], "invalid choice"),
-    (["--epochs", "0"], "argument --epochs: expected a whole number of at least 1, got '0'"),
-    (["--epochs", "abc"], "argument --epochs: expected a whole number of at least 1, got 'abc'"),
-    (["--batch-size", "-3"], "argument --batch-size: expected a whole number of at least 1"),
+    (["--epochs", "0"], "argument --epochs/-e: expected a whole number of at least 1, got '0'"),
+    (["--epochs", "abc"], "argument --epochs/-e: expected a whole number of at least 1, got 'abc'"),
+    (["--batch-size", "-3"], "argument --batch-size/--batch_size/-b: expected a whole number of at least 1"),
     (["--max-steps", "-1"], "argument --max-steps: expected 0 (off) or a positive whole number"),
     (["--lr", "nan"], "argument --lr: expected a positive number, got 'nan'"),
     (["--lr", "0"], "argument --lr: expected a positive number"),
     (["--timeout", "inf"], "argument --timeout: expected a positive number, got 'inf'"),
     (["--backend", "nccl"], "nccl needs CUDA"),
+    (["--batch-size", "0"], "argument --batch-size/--batch_size/-b: expected a whole number of at least 1"),
 ])
 def test_bad_arguments_end_in_one_clear_line(argv, message, capsys, monkeypatch):
     fake_gpus(monkeypatch, 0)
@@ -199,6 +203,7 @@ def test_bad_arguments_end_in_one_clear_line(argv, message, capsys, monkeypatch)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, "one line, not argparse's usage block"
 
 
 def test_data_dir_that_is_a_file_is_refused(tmp_path, capsys):
@@ -316,12 +321,9 @@ def test_models_have_the_expected_shapes():
     assert common.ConvNet()(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
     assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in common.ConvNet().modules()) == 2
     assert common.ToyModel()(torch.zeros(4, 10)).shape == (4, 5)
-    assert common.ToyMpModel("cpu", "cpu")(torch.zeros(4, 10)).shape == (4, 5)
     resnet = common.resnet18_cifar()
     assert resnet.conv1.stride == (1, 1) and isinstance(resnet.maxpool, torch.nn.Identity)
     assert resnet.eval()(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
-    assert len(common.RangeDataset(7)) == 7 and common.RangeDataset(7)[3] == 3.0
-    assert common.RandomDataset(100, 5)[0].shape == (5,)
 
 
 def test_batch_loader_fetches_whole_batches_from_any_sampler():
@@ -345,11 +347,58 @@ def test_evaluate_returns_sums():
     assert (correct, samples) == (4, 7) and loss_sum > 0
 
 
-def test_final_line_format():
+def test_evaluate_builds_no_graph():
+    seen = []
+    model = torch.nn.Linear(1, 10)
+    model.register_forward_hook(lambda module, args, out: seen.append(out.requires_grad))
+    ds = torch.utils.data.TensorDataset(torch.zeros(4, 1), torch.tensor([3, 3, 1, 3]))
+    totals = common.evaluate(model, common.batch_loader(ds, 2), "cpu")
+    assert seen == [False, False] and not totals.requires_grad, "evaluation must run under torch.no_grad()"
+    assert model.training, "evaluate puts the model back in training mode"
+
+
+def test_final_line_format_and_parsing():
     line = common.final_line(test_acc=0.98712, test_samples=10000, world_size=2, epochs=2, seconds=12.44,
-                             dataset="mnist", restarts=1)
+                             dataset="mnist", weights="0001e100", ranks_agree=True, restarts=1)
     assert line == ("final: test_acc=0.9871 test_samples=10000 world_size=2 epochs=2 seconds=12.4 "
-                    "dataset=mnist restarts=1")
+                    "dataset=mnist weights=0001e100 ranks_agree=True restarts=1")
+    parsed = common.parse_lines("noise\n" + line + "\nfinal: test_acc=0.5000", "final")
+    assert parsed[0] == {"test_acc": 0.9871, "test_samples": 10000, "world_size": 2, "epochs": 2, "seconds": 12.4,
+                         "dataset": "mnist", "weights": "0001e100", "ranks_agree": "True", "restarts": 1}
+    assert parsed[1] == {"test_acc": 0.5}
+    assert common.line("step", epoch=1, step=25, loss=0.123456) == "step: epoch=1 step=25 loss=0.1235"
+
+
+def test_weights_digest_sees_every_byte_of_parameters_and_buffers():
+    a, b = common.ConvNet(), common.ConvNet()
+    b.load_state_dict(a.state_dict())
+    assert common.weights_digest(a) == common.weights_digest(b)
+    with torch.no_grad():
+        b.fc.bias[3] = torch.nextafter(b.fc.bias[3], torch.tensor(1.0))  # the smallest possible change
+    assert common.weights_digest(a) != common.weights_digest(b)
+    b.load_state_dict(a.state_dict())
+    b.layer1[1].running_mean += 1e-7  # a BatchNorm buffer, not a parameter
+    assert common.weights_digest(a) != common.weights_digest(b)
+
+
+def test_shard_line_sums_and_orders_without_moving_the_sampler():
+    data = list(range(10))
+    shards = [common.parse_lines(common.shard_line(r, 0, DistributedSampler(data, 2, r, seed=3)), "shard")[0]
+              for r in range(2)]
+    assert sum(s["samples"] for s in shards) == 10 and sum(s["sum"] for s in shards) == 45
+    assert sum(s["sumsq"] for s in shards) == sum(i * i for i in data)
+    generator = torch.Generator().manual_seed(0)
+    sampler = torch.utils.data.RandomSampler(data, generator=generator)
+    before = generator.get_state()
+    common.shard_line(0, 0, sampler)
+    assert torch.equal(generator.get_state(), before), "asking must not change what training draws"
+
+
+def test_use_lr_applies_this_runs_lr_and_says_so():
+    optimizer = torch.optim.SGD(common.ToyModel().parameters(), lr=0.01)
+    assert common.use_lr(optimizer, 0.01) == ""
+    assert common.use_lr(optimizer, 0.05) == "; --lr 0.05 replaces the checkpoint's 0.01"
+    assert all(g["lr"] == 0.05 for g in optimizer.param_groups)
 
 
 def test_common_makes_no_distributed_call():
@@ -363,3 +412,183 @@ def test_common_makes_no_distributed_call():
             assert not (node.module == "torch" and any(a.name == "distributed" for a in node.names))
         if isinstance(node, ast.Attribute):
             assert node.attr != "distributed", f"torch.distributed used at line {node.lineno}"
+
+
+# ------------------------------------------------------------------ checkpoints: continued or refused, never lost
+
+RUN = {"script": "mnist_torchrun.py", "model": "ConvNet", "dataset": "mnist-standin"}
+
+
+def test_a_checkpoint_of_this_run_is_continued(tmp_path):
+    path = tmp_path / "ck.pt"
+    assert common.resume_state(path, RUN) is None, "no file: start from scratch"
+    common.save_checkpoint(path, RUN, epoch=3, model={"w": torch.ones(2)})
+    state = common.resume_state(path, RUN)
+    assert state["epoch"] == 3 and state["run"] == RUN and state["writer"]["pid"] == os.getpid()
+
+
+@pytest.mark.parametrize("other, words", [
+    ({**RUN, "script": "mnist_amp_syncbn.py"}, "script 'mnist_amp_syncbn.py' there, 'mnist_torchrun.py' here"),
+    ({**RUN, "dataset": "mnist"}, "dataset 'mnist' there, 'mnist-standin' here"),
+    ({**RUN, "model": "ResNet-18"}, "model 'ResNet-18' there, 'ConvNet' here"),
+    ({**RUN, "amp": "fp16"}, "amp 'fp16' there"),
+])
+def test_a_checkpoint_of_another_run_is_refused_and_left_as_it_is(tmp_path, other, words):
+    path = tmp_path / "ck.pt"
+    common.save_checkpoint(path, other, epoch=1)
+    before = path.read_bytes()
+    with pytest.raises(common.UsageError) as err:
+        common.resume_state(path, RUN)
+    assert str(path) in str(err.value) and words in str(err.value) and "another --checkpoint-dir" in str(err.value)
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("damage", ["random", "truncated"])
+def test_a_damaged_checkpoint_is_named_in_one_line_and_left_as_it_is(tmp_path, damage):
+    path = tmp_path / "ck.pt"
+    if damage == "random":
+        path.write_bytes(os.urandom(5000))
+    else:
+        common.save_checkpoint(path, RUN, epoch=1, model=common.ConvNet().state_dict())
+        path.write_bytes(path.read_bytes()[:3000])
+    before = path.read_bytes()
+    with pytest.raises(common.UsageError, match="is damaged or not a checkpoint") as err:
+        common.resume_state(path, RUN)
+    message = str(err.value)
+    assert str(path) in message and "weights_only" not in message and "\n" not in message
+    assert path.read_bytes() == before
+
+
+def test_a_checkpoint_another_running_job_writes_is_refused(tmp_path):
+    path = tmp_path / "ck.pt"
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        writer = {"host": socket.gethostname(), "pid": other.pid, "started": common._start_time(other.pid)}
+        common.atomic_save({"run": RUN, "writer": writer, "epoch": 1}, path)
+        with pytest.raises(common.UsageError, match=f"still running \\(pid {other.pid}\\)"):
+            common.resume_state(path, RUN)
+    finally:
+        other.kill()
+        other.wait()
+    assert common.resume_state(path, RUN)["epoch"] == 1, "once that job has ended, its checkpoint is continued"
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_before_training(capsys):
+    parser = _parser()
+    with pytest.raises(SystemExit):
+        common.check_args(parser, parser.parse_args(["--checkpoint-dir", "/proc/no/such/folder"]))
+    assert "--checkpoint-dir /proc/no/such/folder cannot be created" in capsys.readouterr().err
+
+
+def test_files_get_the_mode_the_umask_gives(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = common.atomic_save({"x": 1}, tmp_path / "ck.pt")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, "mkstemp's 0600 would hide it from other users"
+    finally:
+        os.umask(old)
+
+
+# ------------------------------------------------------------------ data: damaged stand-ins, missing real files
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_a_damaged_standin_is_written_again(tmp_path, damage, capsys):
+    common.prepare_data("mnist-standin", tmp_path)
+    victim = tmp_path / common.STANDIN_SUBDIR / "MNIST" / "raw" / "t10k-images-idx3-ubyte"
+    good = victim.read_bytes()
+    if damage == "deleted":
+        victim.unlink()
+    else:
+        victim.write_bytes(good[:1000])
+    capsys.readouterr()
+    assert common.prepare_data("mnist-standin", tmp_path) == "mnist-standin"
+    out = capsys.readouterr().out
+    assert "the old one was damaged" in out and victim.name in out
+    assert victim.read_bytes() == good, "the stand-in is deterministic: the same bytes again"
+
+
+def test_a_missing_real_file_is_named(tmp_path, monkeypatch):
+    standins.write_mnist_standin(tmp_path, sizes=(20, 10))  # real-format files where real MNIST lives
+    (tmp_path / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").unlink()
+    monkeypatch.setattr(common, "try_download", lambda *a, **k: "URLError: no network")
+    with pytest.raises(common.UsageError, match="t10k-labels-idx1-ubyte is missing .*make data"):
+        common.prepare_data("mnist", tmp_path)
+
+
+def test_a_data_dir_that_cannot_be_created_is_one_line(tmp_path):
+    with pytest.raises(common.UsageError, match="--data-dir /proc/x cannot be created"):
+        common.prepare_data("mnist-standin", "/proc/x")
+
+
+def test_auto_remembers_a_failed_download_for_an_hour(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(common, "try_download", lambda *a, **k: calls.append(1) or "URLError: no network")
+    assert common.prepare_data("auto", tmp_path, quiet=True) == "mnist-standin"
+    assert common.prepare_data("auto", tmp_path, quiet=True) == "mnist-standin"
+    assert len(calls) == 1, "the second run does not wait for the network again"
+
+
+# ------------------------------------------------------------------ small facts the READMEs state
+
+
+def test_each_cpu_process_gets_its_share_of_the_cores_unless_omp_num_threads_is_set(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        cores = len(os.sched_getaffinity(0))
+        assert common.share_cpu_threads(2) == max(1, cores // 2) == torch.get_num_threads()
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(before)
+        assert common.share_cpu_threads(2) == before == torch.get_num_threads()  # the user's setting wins
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_default_collective_timeout_is_a_minute():
+    assert _parser().parse_args([]).timeout == 60.0
+
+
+def test_rng_state_must_be_a_cpu_byte_tensor():
+    with pytest.raises(TypeError, match="RNG state must be a torch.ByteTensor"):
+        torch.set_rng_state(torch.zeros(8))
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True)])
+def test_the_per_attempt_store_is_used_only_when_torchrun_may_restart(monkeypatch, value, expected):
+    import workarounds
+
+    if value is None:
+        monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", value)
+    assert workarounds.restarts_possible() is expected
+
+
+def test_the_installed_wheel_has_no_mpi_backend():
+    import torch.distributed as dist
+
+    assert dist.is_gloo_available() and not dist.is_mpi_available()
+
+
+def test_a_gradscaler_without_a_device_warns_on_a_machine_without_cuda():
+    code = ("import warnings, torch\nwith warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always'); torch.amp.GradScaler()\nprint([str(x.message) for x in w])")
+    out = subprocess.run([PYTHON, "-c", code], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                         capture_output=True, text=True, timeout=120).stdout
+    assert "CUDA is not available" in out, out
+
+
+def test_the_progress_bar_is_rank_0s_on_stderr_and_tqdm_disable_turns_it_off(monkeypatch, capsys):
+    items = [1, 2, 3]
+    assert common.progress(items, rank=1) is items  # other ranks: no bar at all
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    bar = common.progress(items, rank=0)
+    assert not bar.disable
+    bar.close()
+    drawn = capsys.readouterr()
+    assert "0/3" in drawn.err and drawn.out == ""
+    code = "import common; bar = common.progress([1, 2, 3], rank=0); print(bar.disable, list(bar))"
+    res = subprocess.run([PYTHON, "-c", code], env={**os.environ, "TQDM_DISABLE": "1"}, capture_output=True,
+                         text=True, timeout=120)  # tqdm reads TQDM_* when it is imported
+    assert res.stdout.split() == ["True", "[1,", "2,", "3]"] and "0/3" not in res.stderr, res

@@ -1,11 +1,15 @@
 """The foundation as a user meets it: make targets, the baseline run, copying a script, the diff tool."""
 
+import os
 import re
 import shutil
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
-from harness import PYTHON, REPO, make, python, run
+from harness import PYTHON, REPO, exits, make, python, run
 
 
 @pytest.mark.slow
@@ -31,14 +35,15 @@ def test_script_runs_from_a_folder_holding_only_itself_and_common(tmp_path, data
 
 
 def test_bad_input_is_one_line_not_a_traceback(tmp_path):
-    res = python("01_dataparallel/mnist_single.py", "--dataset", "imagenet", expect_rc=2)
-    assert "invalid choice: 'imagenet'" in res.stderr and "Traceback" not in res.stderr
     # every download goes to a proxy that is not there: offline, whether this machine has internet or not
     dead_proxy = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9", "no_proxy": "",
                   "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
-    res = python("01_dataparallel/mnist_single.py", "--dataset", "mnist", "--data-dir", tmp_path / "empty",
-                 env=dead_proxy, expect_rc=2)
-    assert "make data" in res.stderr and "Traceback" not in res.stderr
+    script = "01_dataparallel/mnist_single.py"
+    (code1, _, err1), (code2, _, err2) = exits([
+        (script, ["--dataset", "imagenet"]),
+        (script, ["--dataset", "mnist", "--data-dir", tmp_path / "empty"])], env=dead_proxy)
+    assert code1 == 2 and "invalid choice: 'imagenet'" in err1 and "Traceback" not in err1
+    assert code2 == 2 and "make data" in err2 and "Traceback" not in err2
 
 
 @pytest.mark.parametrize("nproc", ["0", "two", ""])
@@ -69,3 +74,133 @@ def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     assert re.search(r"^make test$", ci, re.M), "CI runs exactly `make test`"
     assert re.search(r"^make test +#", readme, re.M), "the README's test command is `make test`"
+
+
+# ------------------------------------------------------------------ what the top README says about the setup
+
+
+def test_setup_pins_the_matched_pair_and_this_is_it():
+    import torch
+    import torchvision
+
+    pins = (REPO / "requirements.txt").read_text()
+    assert "torch==2.14.1" in pins and "torchvision==0.29.1" in pins
+    assert torch.__version__.startswith("2.14.1") and torchvision.__version__.startswith("0.29.1")
+
+
+def test_make_reinstalls_when_the_requirements_change():
+    dry = run(["make", "-n", "-W", "requirements.txt", "smoke"]).stdout  # -W: as if the file had just changed
+    assert "pip install" in dry and "-r requirements-dev.txt" in dry
+    assert "pip install" not in run(["make", "-n", "smoke"]).stdout
+
+
+FIND_SPEC = r"""
+import importlib.util, sys
+for folder in sys.argv[1:]:  # what `python FOLDER/script.py` finds: sys.path[0] is the script's folder
+    sys.path[0] = folder
+    importlib.invalidate_caches()
+    print(folder, *(importlib.util.find_spec(name).origin for name in ("common", "workarounds", "standins")))
+"""
+
+
+def test_common_imports_from_every_numbered_folder_without_pythonpath(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    folders = sorted(str(f) for f in REPO.glob("0*_*"))
+    res = run([PYTHON, "-c", FIND_SPEC, *folders], cwd=tmp_path, env=env)
+    expected = [f"{folder} {REPO / 'common.py'} {REPO / 'workarounds.py'} {REPO / 'standins.py'}" for folder in folders]
+    assert res.stdout.splitlines() == expected and len(folders) == 6
+
+
+def test_the_rendezvous_store_listens_on_every_interface():
+    import torch.distributed as dist
+
+    import common
+
+    port = common.free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    try:
+        listening = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for row in Path(table).read_text().splitlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    listening.add(address)
+        assert listening and all(set(a) == {"0"} for a in listening), listening  # 0.0.0.0 or ::, not 127.0.0.1
+    finally:
+        del store
+
+
+def test_gpu_check_lists_its_plan_for_a_machine_with_two_gpus():
+    out = python("bench/gpu_check.py", "--list", "--gpus", "2").stdout
+    assert "ddp-torchrun" in out and "bench-allreduce" in out and "make" in out
+
+
+def test_every_line_about_distribution_is_marked_in_the_training_scripts():
+    """The README's house style: a `# DDP:` (or `# DP:`, `# AMP:`, `# SyncBN:`) comment on the line, or on the
+    comment lines just above the statement, for every distributed call in the training scripts."""
+    call = re.compile(r"\bdist\.\w+\(|\bDDP\(|DistributedSampler\(|\.set_epoch\(|nn\.DataParallel\(")
+    marker = re.compile(r"# (DDP|DP|AMP|SyncBN):")
+    unmarked = []
+    for script in ("01_dataparallel/mnist_dataparallel.py", "02_ddp_spawn/mnist_spawn.py",
+                   "03_ddp_torchrun/mnist_torchrun.py", "04_multinode_tcp/mnist_tcp.py",
+                   "06_amp_syncbn/mnist_amp_syncbn.py", "06_amp_syncbn/cifar_resnet.py"):
+        lines = (REPO / script).read_text().splitlines()
+        for i, text in enumerate(lines):
+            if text.strip().startswith("#") or not call.search(text):
+                continue
+            end = i  # the statement's own lines: until its brackets close
+            while sum(lines[k].count("(") - lines[k].count(")") for k in range(i, end + 1)) > 0:
+                end += 1
+            above = i - 1  # the comment lines just above it, and a block header (`for ...:`, `try:`) above those
+            while above >= 0 and lines[above].strip().startswith("#"):
+                above -= 1
+            header = [lines[above]] if above >= 0 and lines[above].split("#")[0].rstrip().endswith(":") else []
+            if not any(marker.search(t) for t in lines[above + 1:end + 1] + header):
+                unmarked.append(f"{script}:{i + 1}: {text.strip()}")
+    assert not unmarked, "\n".join(unmarked)
+
+
+@pytest.mark.slow
+def test_the_harness_fails_a_command_that_leaves_a_process_behind_and_stops_it():
+    with pytest.raises(AssertionError, match="processes left behind"):
+        run(["bash", "-c", "sleep 297 >/dev/null 2>&1 & echo started"], timeout=30, linger=1)
+    alive, deadline = ["?"], time.time() + 5  # SIGKILL is not instant: allow the kernel a moment
+    while alive and time.time() < deadline:
+        time.sleep(0.1)
+        alive = []
+        for entry in Path("/proc").glob("[0-9]*"):
+            try:
+                if (entry / "cmdline").read_bytes() == b"sleep\x00297\x00":
+                    alive.append(entry.name)
+            except OSError:
+                pass
+    assert not alive, f"the leftover was not stopped: {alive}"
+
+
+@pytest.mark.parametrize("gpus, visible, expected", [(0, None, 2), (3, None, 3), (3, "0", 1), (3, "", 2)])
+def test_nproc_defaults_to_one_process_per_gpu_and_to_2_without_gpus(tmp_path, gpus, visible, expected):
+    fake = tmp_path / "nvidia-smi"  # what nvidia-smi -L prints on a machine with `gpus` GPUs
+    fake.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n" for i in range(gpus)))
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    dry = subprocess.run(["make", "-n", "ddp-torchrun"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=60).stdout
+    assert f"--nproc-per-node {expected} " in dry, dry
+
+
+def test_every_script_answers_help_with_a_whole_sentence_or_says_how_to_start_it():
+    scripts = sorted(p.relative_to(REPO) for p in [*REPO.glob("0*_*/*.py"), *REPO.glob("bench/*.py"),
+                                                   *REPO.glob("tools/*.py")] if p.name != "benchlib.py")
+    answers = exits([(script, ["--help"]) for script in scripts])
+    assert len(answers) == len(scripts) > 30
+    for name, (code, text, _) in zip(scripts, answers, strict=True):
+        if code == 0:
+            assert "Traceback" not in text, name
+            words = text.split("\n\n")[1 if text.startswith("usage:") else 0].split()
+            assert words and words[-1].endswith((".", "?", ")")), f"{name}: the help's description stops mid-sentence"
+        else:  # the one script without a parser, which only torchrun starts
+            assert isinstance(code, str) and code.startswith("error: torchrun starts this script"), (name, code)

@@ -1,0 +1,106 @@
+"""Repeated runs that show a workaround of workarounds.py is still needed: each run once with it, once without.
+
+    python bench/stress.py elastic --runs 10   # make elastic-stress: torchrun restarts a crashed group (Gloo);
+                                               #   without the per-attempt store the restart fails or hangs
+    python bench/stress.py exit --runs 10      # make exit-stress: a finished 3-rank Gloo job; without os._exit
+                                               #   some runs abort after their work is done
+
+With and without alternate, run by run, so that a noisy moment of the machine hits both alike. The record,
+stress_<name>_<machine>_<date>.{json,md}, says how many runs succeeded each way, and how each one ended.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import benchlib
+import common
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def elastic_run(workarounds_on: bool, nproc: int, tmp: Path, timeout: float) -> tuple[bool, str]:
+    """make elastic-restart on short epochs: recovered with identical weights, or how it failed."""
+    cmd = ["make", "--no-print-directory", "-C", str(REPO), "elastic-restart", f"NPROC={nproc}",
+           f"ELASTIC={tmp}/elastic", "FAIL_AT=20", "ARGS=--dataset mnist-standin --max-steps 15 --epochs 2 "
+           f"--timeout 30 --data-dir {tmp}/data"]
+    return outcome(cmd, workarounds_on, timeout, ok=lambda out: "identical: True" in out or "identical within" in out)
+
+
+def exit_run(workarounds_on: bool, nproc: int, tmp: Path, timeout: float) -> tuple[bool, str]:
+    """A 3-rank Gloo job that finishes its work: exit code 0, or how it ended."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+           "--nproc-per-node", "3", str(REPO / "05_collectives/distributed_eval.py"), "--subset", "10",
+           "--data-dir", str(tmp / "data")]
+    return outcome(cmd, workarounds_on, timeout, ok=lambda out: "exact_equals_single=True" in out)
+
+
+def outcome(cmd: list[str], workarounds_on: bool, timeout: float, ok) -> tuple[bool, str]:
+    env = {"COURSE_WORKAROUNDS": "on" if workarounds_on else "off", "TQDM_DISABLE": "1"}
+    try:
+        out = benchlib.run_bounded(cmd, timeout=timeout, env=env).stdout
+    except RuntimeError as err:
+        text = str(err)
+        if "took longer than" in text:
+            return False, "hung (stopped by the timeout)"
+        found = re.search(r"(connectFullMesh failed[^\n]*|terminate called[^\n]*|SIGABRT|exitcode\s*:\s*-?\d+[^\n]*)",
+                          text)
+        return False, found.group(1).strip() if found else "failed"
+    return (True, "ok") if ok(out) else (False, "finished without the expected result")
+
+
+CASES = {"elastic": (elastic_run, "the restarted group recovers (workarounds.join_group_per_attempt)", 180),
+         "exit": (exit_run, "the finished job exits with code 0 (workarounds.leave)", 120)}
+
+
+def main(argv=None) -> int:
+    parser = benchlib.make_parser(__doc__, "2 runs each way")
+    parser.add_argument("case", choices=sorted(CASES))
+    parser.add_argument("--runs", type=benchlib.positive_int, default=10, help="runs each way (default %(default)s)")
+    parser.add_argument("--nproc", type=benchlib.positive_int, default=2, help="processes (elastic only)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.runs = 2
+    run, meaning, timeout = CASES[args.case]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix=f"stress-{args.case}-") as tmp:
+        common.prepare_data("mnist-standin", Path(tmp) / "data", quiet=True)
+        for i in range(args.runs):
+            for on in (True, False) if i % 2 == 0 else (False, True):  # alternate which goes first
+                start = time.time()
+                passed, how = run(on, args.nproc, Path(tmp), timeout)
+                rows.append({"run": i + 1, "workaround": on, "passed": passed, "how": how,
+                             "seconds": round(time.time() - start, 1)})
+                common.say(f"run {i + 1}/{args.runs}, workaround {'on ' if on else 'off'}: "
+                           f"{'passed' if passed else 'FAILED: ' + how}")
+    with_ = sum(r["passed"] for r in rows if r["workaround"])
+    without = sum(r["passed"] for r in rows if not r["workaround"])
+    import torch
+
+    device = torch.device("cpu")
+    machine = benchlib.machine_info(device, "gloo")
+    name = benchlib.stem(f"stress_{args.case}", device, "gloo", args.quick)
+    md = [f"# Stress: {args.case}", "", f"{machine['cpu']}, {machine['cores']} cores, torch {torch.__version__}, "
+          f"{machine['date']}. Passing means: {meaning}.", ""]
+    md += benchlib.md_table(["workaround", "runs passed"], [["on", f"{with_}/{args.runs}"],
+                                                             ["off", f"{without}/{args.runs}"]])
+    md += ["", "How each run that failed ended:", ""]
+    md += [f"- run {r['run']}, workaround {'on' if r['workaround'] else 'off'}: {r['how']}"
+           for r in rows if not r["passed"]] or ["- none failed"]
+    payload = {"bench": f"stress_{args.case}", "machine": machine, "quick": args.quick, "runs": args.runs,
+               "passed_with_workaround": with_, "passed_without_workaround": without, "meaning": meaning,
+               "per_run": rows}
+    paths = benchlib.write_results(Path(args.output_dir), name, payload, md)
+    common.say("\n".join(md))
+    common.say("written: " + ", ".join(map(str, paths)))
+    return 0 if with_ == args.runs else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""CLAIMS.md: every claim of the course with a proof that exists, and numbers that equal their records.
+
+The table's grammar (one row per claim):
+
+    | id | claim | stated in | kind | runs on | proof |
+
+- stated in: the files that make the claim, comma-separated.
+- kind: behaviour, measurement, repeated (a repeated-run rate), external (PyTorch's own behaviour, a doc link),
+  sample (an illustrative output).
+- runs on: CPU (the proof runs in `make test` on a CPU-only machine), GPU, root, or - (no test: a record or link).
+- proof: items in backticks:
+    `tests/FILE.py::TEST` or `tests/FILE.py::TEST[PARAM]`      a test that must be collected
+    `notebooks/NAME.ipynb::Cell N`                            a notebook cell that nbval runs
+    `bench/results/FILE.json#KEY/KEY/KEY = VALUE`            a recorded number (a KEY of digits indexes a list);
+                                                               VALUE is the number as the prose
+                                                               writes it (its digits set the rounding; a trailing %
+                                                               means the record is a fraction); VALUE must appear in
+                                                               the first stated-in file
+    `https://...`                                             a documentation page
+    `sample: COMMAND`                                         the command whose output the sample shows
+"""
+
+import json
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+KINDS = {"behaviour", "measurement", "repeated", "external", "sample"}
+RUNS_ON = {"CPU", "GPU", "root", "-"}
+
+
+def rows(text: str | None = None) -> list[dict]:
+    text = (REPO / "CLAIMS.md").read_text() if text is None else text
+    found = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if len(cells) != 6 or cells[0] in ("id", "") or set(cells[0]) <= set("-: "):
+            continue
+        found.append(dict(zip(("id", "claim", "stated", "kind", "runs_on", "proof"), cells, strict=True)))
+    return found
+
+
+def items(proof: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", proof)
+
+
+COLLECT = r"""
+import sys, pytest
+class NeedsGpu:
+    def pytest_collection_finish(self, session):
+        for item in session.items:
+            print("COLLECTED", item.nodeid, any(item.get_closest_marker(m) for m in ("cuda", "multigpu")))
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "tests"], plugins=[NeedsGpu()]))
+"""
+
+
+@cache
+def collected() -> dict[str, bool]:
+    """Every test pytest collects: node id -> whether it needs a GPU (marked cuda or multigpu)."""
+    out = subprocess.run([sys.executable, "-c", COLLECT], cwd=REPO, capture_output=True, text=True, timeout=120).stdout
+    rows = [line[len("COLLECTED "):].rsplit(" ", 1) for line in out.splitlines() if line.startswith("COLLECTED ")]
+    return {node: gpu == "True" for node, gpu in rows}
+
+
+def json_value(path: str):
+    file, _, keys = path.partition("#")
+    data = json.loads((REPO / file).read_text())
+    for quoted, plain in re.findall(r'"([^"]+)"|([^/]+)', keys):
+        data = data[int(plain)] if isinstance(data, list) and plain.isdigit() else data[quoted or plain]
+    return data
+
+
+def problems(row: dict) -> list[str]:
+    """What is wrong with one row: [] when its proofs exist and its numbers agree."""
+    bad, proofs = [], items(row["proof"])
+    if row["kind"] not in KINDS:
+        bad.append(f"kind {row['kind']!r} is not one of {sorted(KINDS)}")
+    if row["runs_on"] not in RUNS_ON:
+        bad.append(f"runs on {row['runs_on']!r} is not one of {sorted(RUNS_ON)}")
+    stated = [s.strip() for s in row["stated"].split(",") if s.strip()]
+    missing = [s for s in stated if not (REPO / s.split(" ")[0]).is_file()]
+    if not stated or missing:
+        bad.append(f"stated in: no such file {missing or '(none given)'}")
+    if not proofs:
+        bad.append("no proof")
+    tests = [p for p in proofs if p.startswith("tests/")]
+    for proof in proofs:
+        if proof.startswith("tests/"):
+            if proof not in collected():
+                bad.append(f"{proof}: not collected by pytest")
+            elif row["runs_on"] == "CPU" and collected()[proof]:
+                bad.append(f"{proof}: marked for GPUs, but the row says it runs on a CPU")
+        elif proof.startswith("notebooks/"):
+            bad += notebook_problems(proof, row["runs_on"])
+        elif proof.startswith("bench/results/"):
+            bad += record_problems(proof, stated)
+        elif proof.startswith("sample: "):
+            if row["kind"] != "sample":
+                bad.append(f"{proof}: a sample proves only a sample row")
+        elif not proof.startswith("https://"):
+            bad.append(f"{proof}: not a test, notebook cell, record, link or sample")
+    kinds_need = {"behaviour": ("tests/", "notebooks/"), "measurement": ("bench/results/",),
+                  "repeated": ("bench/results/",), "external": ("https://", "tests/"), "sample": ("sample: ",)}
+    if row["kind"] in kinds_need and not any(p.startswith(kinds_need[row["kind"]]) for p in proofs):
+        bad.append(f"a {row['kind']} row needs a proof starting with {' or '.join(kinds_need[row['kind']])}")
+    if row["runs_on"] == "CPU" and not tests and not any(p.startswith("notebooks/") for p in proofs):
+        bad.append("runs on CPU, but no test or notebook cell proves it")
+    return bad
+
+
+def notebook_problems(proof: str, runs_on: str) -> list[str]:
+    match = re.fullmatch(r"(notebooks/[\w.]+\.ipynb)::Cell (\d+)", proof)
+    if not match or not (REPO / match[1]).is_file():
+        return [f"{proof}: no such notebook cell"]
+    cells = [c for c in json.loads((REPO / match[1]).read_text())["cells"] if c["cell_type"] == "code"]
+    if int(match[2]) >= len(cells):
+        return [f"{proof}: the notebook has {len(cells)} code cells"]
+    if runs_on == "CPU" and "nbval-skip" in cells[int(match[2])].get("metadata", {}).get("tags", []):
+        return [f"{proof}: tagged nbval-skip, so `make test` does not run it"]
+    return []
+
+
+def record_problems(proof: str, stated: list[str]) -> list[str]:
+    path, _, written = (part.strip() for part in proof.partition("="))
+    if not (REPO / path.split("#")[0]).is_file():
+        return [f"{proof}: no such record"]
+    try:
+        value = json_value(path)
+    except (KeyError, IndexError, TypeError):
+        return [f"{proof}: no such key in the record"]
+    if not written:
+        return []
+    if not isinstance(value, (int, float)):
+        return [f"{proof}: the record holds {value!r}, not a number"]
+    percent = written.endswith("%")
+    number = written.rstrip("%").strip().replace(",", "")
+    digits = len(number.split(".")[1]) if "." in number else 0
+    recorded = round(value * (100 if percent else 1), digits)
+    bad = [] if recorded == float(number) else [f"{proof}: the record says {value} ({recorded} at this rounding)"]
+    first = (REPO / stated[0].split(" ")[0]).read_text() if stated else ""
+    if written.rstrip("%").strip() not in first:
+        bad.append(f"{proof}: {written!r} does not appear in {stated[0]}")
+    return bad
+
+
+def test_every_claim_has_a_proof_that_exists_and_numbers_that_match():
+    table = rows()
+    assert len(table) >= 50, "CLAIMS.md lists the course's claims"
+    ids = [r["id"] for r in table]
+    assert len(ids) == len(set(ids)), sorted({i for i in ids if ids.count(i) > 1})
+    wrong = {r["id"]: p for r in table if (p := problems(r))}
+    assert not wrong, "\n".join(f"{i}: {'; '.join(p)}" for i, p in wrong.items())
+
+
+def test_readme_points_to_the_claims_table():
+    assert "[CLAIMS.md](CLAIMS.md)" in (REPO / "README.md").read_text()
+
+
+TP = "bench/results/throughput_gloo_cpu2_2026-11-22.json"
+SAMPLE = f"""
+| id | claim | stated in | kind | runs on | proof |
+|---|---|---|---|---|---|
+| good | the ratio is 0.92 | README.md | measurement | - | `{TP}#ratios/speedup_ws2/median = 0.92` |
+| off | the ratio is 0.95 | README.md | measurement | - | `{TP}#ratios/speedup_ws2/median = 0.95` |
+| nokey | x | README.md | measurement | - | `{TP}#ratios/nothing = 1` |
+| notest | x | README.md | behaviour | CPU | `tests/test_common.py::test_that_does_not_exist` |
+| gpu | x | README.md | behaviour | CPU | `tests/test_02_ddp_spawn.py::test_resume_on_a_gpu` |
+| nolink | x | README.md | external | - | `see the docs` |
+"""
+
+
+@pytest.mark.parametrize("row_id, expected", [
+    ("good", None), ("off", "the record says"), ("nokey", "no such key"), ("notest", "not collected"),
+    ("gpu", "marked for GPUs"), ("nolink", "not a test, notebook cell"),
+])
+def test_the_checker_catches_each_kind_of_broken_row(row_id, expected):
+    row = next(r for r in rows(SAMPLE) if r["id"] == row_id)
+    found = problems(row)
+    if expected is None:
+        assert found == []
+    else:
+        assert any(expected in p for p in found), found

@@ -1,0 +1,143 @@
+"""The usual mistakes and interruptions, as a new user makes them: nothing is lost, every mistake is one line,
+and nothing hangs or lingers."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+import common
+from harness import REPO, TAG, TORCHRUN, kill_tagged, make, python, run, tagged_processes
+
+STANDIN = "--dataset mnist-standin --data-dir {}"
+DEAD_PROXY = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9", "no_proxy": "",
+              "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
+
+
+def one_line(stderr: str) -> str:
+    """The user's view of a refused command: exactly one line of ours (make adds its own `***` line)."""
+    lines = [ln for ln in stderr.strip().splitlines() if not re.match(r"make(\[\d+\])?: \*\*\*", ln)]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("variables, words", [
+    (["EPOCHS=-1"], "argument --epochs/-e: expected a whole number of at least 1, got '-1'"),
+    (["BACKEND=foo"], "argument --backend: invalid choice: 'foo'"),
+    (["DATASET=foo"], "argument --dataset: invalid choice: 'foo'"),
+    (["ARGS=--lr nan"], "argument --lr: expected a positive number, got 'nan'"),
+    (["ARGS=--checkpoint-dir /proc/no/such"], "--checkpoint-dir /proc/no/such cannot be created"),
+    (["ARGS=--data-dir /proc/no/such"], "--data-dir /proc/no/such cannot be created"),
+])
+def test_a_mistake_under_torchrun_is_one_line_said_once(variables, words):
+    """make checks the arguments in one process before torchrun starts NPROC of them (COURSE_CHECK_ONLY)."""
+    res = make("ddp-torchrun", "NPROC=2", *variables, expect_rc=2, timeout=60)
+    assert words in one_line(res.stderr) and res.stdout.count("error") == 0
+
+
+def test_nccl_without_enough_gpus_is_one_line():
+    gpus = common.gpu_count()
+    res = make("ddp-torchrun", f"NPROC={gpus + 1}", "BACKEND=nccl", expect_rc=2, timeout=60)
+    assert ("nccl needs CUDA GPUs" if gpus == 0 else "NCCL needs one GPU per process") in one_line(res.stderr)
+
+
+def test_real_data_offline_is_one_line(tmp_path):
+    res = make("ddp-torchrun", "NPROC=2", "DATASET=mnist", f"ARGS=--data-dir {tmp_path / 'empty'}",
+               env=DEAD_PROXY, expect_rc=2, timeout=120)
+    assert "--dataset mnist: not found" in one_line(res.stderr) and "mnist-standin" in res.stderr
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_run_stops_every_rank_with_one_line_once(data_dir, tmp_path):
+    """Under torchrun itself (no make): every rank refuses, only rank 0 says it, the file stays as it was."""
+    foreign = tmp_path / "mnist_torchrun.pt"
+    common.save_checkpoint(foreign, {"script": "mnist_amp_syncbn.py", "model": "ConvNet", "dataset": "mnist-standin",
+                                     "amp": "bf16"}, epoch=1)
+    before = foreign.read_bytes()
+    res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "03_ddp_torchrun/mnist_torchrun.py",
+               *STANDIN.format(data_dir).split(), "--checkpoint-dir", tmp_path], expect_rc=1, timeout=120)
+    assert res.stderr.count(f"error: {foreign} belongs to another run (script 'mnist_amp_syncbn.py' there") == 1
+    assert foreign.read_bytes() == before
+
+
+def test_an_existing_checkpoint_is_continued_never_overwritten(data_dir, tmp_path):
+    args = [*STANDIN.format(data_dir).split(), "--max-steps", "5", "--checkpoint-dir", tmp_path]
+    python("01_dataparallel/mnist_single.py", *args, "--epochs", "2", timeout=120)
+    saved = tmp_path / "mnist_single.pt"
+    before = saved.read_bytes()
+    again = python("01_dataparallel/mnist_single.py", *args, "--epochs", "1", timeout=120)  # a "fresh" short run
+    assert "nothing to do: the checkpoint is already at epoch 2 of 1" in again.stdout
+    assert saved.read_bytes() == before, "a fresh run must not replace a finished one"
+    longer = python("01_dataparallel/mnist_single.py", *args, "--epochs", "3", "--lr", "0.02", timeout=120)
+    assert f"resumed from {saved} after epoch 2; --lr 0.02 replaces the checkpoint's 0.01" in longer.stdout
+    assert longer.final["epochs"] == 3 and common.load_checkpoint(saved)["epoch"] == 3
+
+
+@pytest.mark.parametrize("procs, refused", [(100000, True), (3, False)])
+def test_nproc_is_checked_against_memory_and_cores(procs, refused):
+    res = make("check-nproc", f"NPROC={procs}", expect_rc=2 if refused else 0)
+    if refused:
+        assert "processes need about 100000 GB of memory" in one_line(res.stderr)
+    else:
+        cores = len(os.sched_getaffinity(0))
+        assert ("WARNING: 3 processes on" in res.stdout) == (3 > cores and common.gpu_count() == 0)
+
+
+def start_tagged(cmd, tag, wait_for: str, timeout: float = 60) -> subprocess.Popen:
+    """Start `cmd` in its own session, tagged, and return once `wait_for` appeared in its output."""
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env={**os.environ, TAG: tag, "TQDM_DISABLE": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline, seen = time.time() + timeout, ""
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        seen += line
+        if wait_for in line:
+            return proc
+        if not line and proc.poll() is not None:
+            break
+    kill_tagged(tag)
+    raise AssertionError(f"never saw {wait_for!r}:\n{seen[-3000:]}")
+
+
+def gone_within(tag: str, seconds: float) -> list[int]:
+    deadline = time.time() + seconds
+    while tagged_processes(tag) and time.time() < deadline:
+        time.sleep(0.2)
+    left = tagged_processes(tag)
+    kill_tagged(tag)
+    return left
+
+
+@pytest.mark.slow
+def test_killing_make_stops_the_launcher_and_every_rank(data_dir):
+    tag = f"kill-make-{os.getpid()}"
+    proc = start_tagged(["make", "--no-print-directory", "multinode-tcp", "NNODES=2", "NPROC=1",
+                         "ARGS=--epochs 5 " + STANDIN.format(data_dir)], tag, "joined via tcp")
+    proc.send_signal(signal.SIGKILL)  # make alone: its children are not told
+    proc.wait(timeout=10)
+    assert gone_within(tag, 10) == [], "the launcher script and the ranks must notice and stop"
+
+
+@pytest.mark.slow
+def test_killing_torchrun_with_sigkill_stops_its_workers(data_dir):
+    tag = f"kill-torchrun-{os.getpid()}"
+    proc = start_tagged([*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "03_ddp_torchrun/mnist_torchrun.py",
+                         "--epochs", "5", *STANDIN.format(data_dir).split()], tag, "torchrun gave")
+    proc.send_signal(signal.SIGKILL)  # the agent cannot clean up: the workers must notice (workarounds.py)
+    proc.wait(timeout=10)
+    assert gone_within(tag, 10) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1) to give "
+                    "this test a host name of its own")
+def test_single_node_targets_do_not_need_a_resolvable_host_name(data_dir):
+    """A laptop whose host name is in no DNS and not in /etc/hosts: torchrun --standalone alone would wait for
+    minutes in its rendezvous; the make targets pass --local-addr 127.0.0.1 and finish in seconds."""
+    res = run(["unshare", "--uts", "sh", "-c", "hostname no-such-host-x7q2.invalid && exec make --no-print-directory "
+               f"ddp-torchrun NPROC=2 EPOCHS=1 'ARGS=--max-steps 5 {STANDIN.format(data_dir)}'"], timeout=120)
+    assert res.final["world_size"] == 2 and res.seconds < 90

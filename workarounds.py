@@ -1,0 +1,95 @@
+"""Workarounds for torch 2.14 behaviour that is not the lesson: each one named, why it exists, when it is needed,
+and what it costs. The course's scripts call them where the problem can occur, and nowhere else.
+
+Every one of them can be switched off with COURSE_WORKAROUNDS=off in the environment, so that the stress targets
+can show whether it is still needed: `make exit-stress` (leave) and `make elastic-stress`
+(join_group_per_attempt). Their recorded results are in bench/results/stress_*.json.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import signal
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def enabled() -> bool:
+    return os.environ.get("COURSE_WORKAROUNDS", "on") != "off"
+
+
+def leave(code: int = 0) -> None:
+    """End a finished worker at once: flush its output, then os._exit, skipping the interpreter's teardown.
+
+    Guards against: Gloo's C++ threads torn down while Python shuts down, which aborts a finished worker
+    ("terminate called without an active exception", SIGABRT, no Python frame left; pytorch/pytorch#190489)
+    and turns a successful run into a failed one. `make exit-stress` counts how often a finished 3-rank job
+    aborts with and without it. Needed: at the very end of every multi-process worker, after
+    destroy_process_group().
+    Costs: atexit handlers, such as a logger's final flush, do not run; flush what you need first.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if enabled():
+        os._exit(code)
+    sys.exit(code)
+
+
+def free_ddp_models() -> None:
+    """Collect the garbage before destroy_process_group(), so that DDP wrappers are freed while the group exists.
+
+    Fixes: a DDP model sits in reference cycles; if the cycle collector frees it during interpreter shutdown,
+    after the group is gone, the process aborts. Needed: in the `finally` that destroys the group of any script
+    that built a DDP model. Costs: one full garbage collection (milliseconds).
+    """
+    if enabled():
+        gc.collect()
+
+
+def join_group_per_attempt(backend: str, timeout: timedelta, device_id: torch.device | None = None) -> None:
+    """init_process_group from torchrun's environment, with the keys of each restart attempt kept apart.
+
+    Fixes: torchrun's agent keeps one key-value store for the whole job. Workers restarted after a failure
+    (--max-restarts) find the failed attempt's keys, its Gloo addresses, still there and connect to dead
+    processes: "Gloo connectFullMesh failed ... Connection refused", or a hang (the store is shared since
+    torch 2.4; pytorch issue 135712). A PrefixStore named after TORCHELASTIC_RESTART_COUNT gives every attempt
+    its own keys. Needed: only when torchrun may restart the workers (TORCHELASTIC_MAX_RESTARTS > 0); the plain
+    init_process_group is used otherwise. Costs: nothing measurable.
+    """
+    if not enabled():
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
+                            world_size=world_size, timeout=timeout, device_id=device_id)
+
+
+def restarts_possible() -> bool:
+    """Did torchrun start us with --max-restarts above 0?"""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+
+
+def stop_with_launcher() -> None:
+    """Ask Linux to send this process SIGTERM when its launcher dies (prctl PR_SET_PDEATHSIG).
+
+    Fixes: a launcher killed with SIGKILL (torchrun, mp.spawn's parent, a launch script) cannot stop its
+    workers; they train on alone to the end, holding ports, GPUs and files. Needed: in every worker started by
+    a launcher. Costs: nothing; on systems other than Linux it does nothing. A worker whose launcher is
+    already gone stops at once.
+    """
+    if not enabled() or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
