@@ -38,7 +38,7 @@ CHECK = COURSE_CHECK_ONLY=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=$(NPROC) LOCAL_WORLD_
         multinode-tcp multinode-file multinode-torchrun multinode-spawn multinode-netns check-nnodes \
         collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo errors \
         amp-syncbn syncbn-proof grad-accum cifar-resnet \
-        bench bench-quick bench-throughput bench-amp bench-buckets bench-allreduce bench-hooks gpu-check
+        bench bench-quick bench-throughput bench-amp bench-buckets bench-allreduce bench-hooks bench-versions gpu-check
 
 help: ## list the targets
 	@echo "usage: make TARGET [NPROC=$(NPROC)] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
@@ -249,6 +249,10 @@ bench-allreduce: $(STAMP) check-nproc ## collectives and a p2p ring from 4 KB to
 
 bench-hooks: $(STAMP) check-nproc ## DDP comm hooks: all_reduce vs fp16/bf16 compression vs PowerSGD (bytes, speed, accuracy)
 	$(BENCH_RUN) bench/comm_hooks.py --output-dir $(BENCH_OUT) --data-dir $(BENCH_DATA) $(QUICK) $(ARGS)
+
+bench-versions: $(STAMP) ## this version vs an older one (OLD=commit) on the CPU: one MNIST epoch, single/spawn/torchrun
+	@test -n "$(OLD)" || { echo "error: give the older version, e.g. make bench-versions OLD=7cfce49" >&2; exit 2; }
+	$(PY) bench/versions.py --old $(OLD) --output-dir $(BENCH_OUT) $(QUICK) $(ARGS)
 
 gpu-check: $(STAMP) ## on a GPU machine: the GPU tests, every target on CUDA, GPU figures -> bench/results/gpu_check_*
 	$(PY) bench/gpu_check.py --output-dir bench/results $(ARGS)

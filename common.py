@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -499,43 +500,40 @@ def seed_everything(seed: int) -> None:
 def load_dataset(dataset: str, data_dir, train: bool) -> TensorDataset:
     """The whole split as normalised tensors in memory (no per-sample PIL work while training).
 
-    Reads through torchvision's own MNIST / CIFAR10 classes, for real data and stand-ins alike.
+    Reads the files as torchvision downloads them, real data and stand-ins alike: MNIST's IDX files and
+    CIFAR-10's pickled batches. torchvision is imported only where it is needed (downloads, ResNet-18), so the
+    processes of the MNIST chain start without it.
     """
-    from torchvision import datasets
-
     family = family_of(dataset)
     root = Path(data_dir) / STANDIN_SUBDIR if dataset.endswith("-standin") else Path(data_dir)
     if family == "mnist":
-        ds = datasets.MNIST(str(root), train=train, download=False)
-        x = (ds.data.float().div_(255).sub_(MNIST_MEAN).div_(MNIST_STD)).unsqueeze(1)
-        y = ds.targets.long()
+        prefix = "train" if train else "t10k"
+        images = _read_idx(root / "MNIST" / "raw" / f"{prefix}-images-idx3-ubyte")  # (N, 28, 28) uint8
+        y = _read_idx(root / "MNIST" / "raw" / f"{prefix}-labels-idx1-ubyte").long()
+        x = images.float().div_(255).sub_(MNIST_MEAN).div_(MNIST_STD).unsqueeze(1)
     else:
-        cls = cifar10_standin_class() if dataset.endswith("-standin") else datasets.CIFAR10
-        ds = cls(str(root), train=train, download=False)
-        x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).float().div_(255)
+        folder = root / (CIFAR_STANDIN_FOLDER if dataset.endswith("-standin") else "cifar-10-batches-py")
+        batches = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        rows, labels = [], []
+        for name in batches:
+            with open(folder / name, "rb") as f:
+                entry = pickle.load(f, encoding="latin1")  # a dict: "data" (N x 3072 uint8: R, G, B planes)
+            rows.append(torch.from_numpy(entry["data"]))
+            labels += entry["labels"]
+        x = torch.cat(rows).view(-1, 3, 32, 32).float().div_(255)
         x = (x - torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)) / torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
-        y = torch.tensor(ds.targets, dtype=torch.long)
+        y = torch.tensor(labels, dtype=torch.long)
     return TensorDataset(x.contiguous(), y)
 
-_cifar_standin_cls = None
 
-def cifar10_standin_class():
-    """torchvision's CIFAR10 loader pointed at the stand-in files (no md5 check: they are generated).
+def _read_idx(path: Path) -> torch.Tensor:
+    """An IDX file of unsigned bytes (MNIST's format): magic 0x0000080N, N big-endian sizes, then the data."""
+    data = path.read_bytes()
+    if data[:3] != b"\x00\x00\x08":
+        raise ValueError(f"{path}: not an IDX file of unsigned bytes")
+    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(data[3])]
+    return torch.frombuffer(bytearray(data[4 + 4 * len(dims):]), dtype=torch.uint8).view(*dims)
 
-    Built on first use so that importing common does not import torchvision (about 1 s).
-    """
-    global _cifar_standin_cls
-    if _cifar_standin_cls is None:
-        from torchvision.datasets import CIFAR10
-
-        class CIFAR10StandIn(CIFAR10):
-            base_folder = CIFAR_STANDIN_FOLDER
-            train_list = [[f"data_batch_{i}", None] for i in range(1, 6)]
-            test_list = [["test_batch", None]]
-            meta = {"filename": "batches.meta", "key": "label_names", "md5": None}
-
-        _cifar_standin_cls = CIFAR10StandIn
-    return _cifar_standin_cls
 
 def batch_loader(dataset: TensorDataset, batch_size: int, sampler=None, shuffle: bool = False, seed: int = 0,
                  drop_last: bool = False, pin_memory: bool = False) -> DataLoader:

@@ -1,7 +1,8 @@
 """The offline stand-ins: generated, learnable, deterministic data sets in MNIST's and CIFAR-10's own file formats.
 
 No training script imports this file: common.prepare_data does, when a stand-in has to be written (the first
-run, or when a file of it is missing or damaged). The very same torchvision classes then read the files.
+run, or when a file of it is missing or damaged). common.load_dataset reads the files, as it reads real data;
+torchvision's own MNIST and CIFAR10 classes read them too (a test compares the two).
 
 - MNIST stand-in: 24,000 + 4,000 handwriting-like digits, drawn from two 7x5 glyphs per digit with random
   rotation, scale, shear, shift, stroke width, wobble, a stray stroke in a third of them, and noise. Hard enough
@@ -132,7 +133,7 @@ def _idx_bytes(t: torch.Tensor) -> bytes:
 
 
 def write_mnist_standin(root, sizes=None, seed: int = 1234) -> Path:
-    """Write the MNIST stand-in as IDX files under root/MNIST/raw (where torchvision.datasets.MNIST looks)."""
+    """Write the MNIST stand-in as IDX files under root/MNIST/raw (where the real MNIST's files are)."""
     raw = Path(root) / "MNIST" / "raw"
     n_train, n_test = sizes or STANDIN_SIZES["mnist"]
     for prefix, n, s in (("train", n_train, seed), ("t10k", n_test, seed + 1)):

@@ -227,9 +227,9 @@ def bar_plot(path, labels: list[str], summaries: list[dict], ylabel: str, title:
     return Path(path)
 
 
-def run_bounded(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_bounded(cmd: list[str], timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
     """Run a launcher in its own session; on timeout kill that session (only what it started)."""
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

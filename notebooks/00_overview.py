@@ -78,7 +78,7 @@ show("01_dataparallel/mnist_single.py", "train")
 
 # %% [markdown]
 # Run from here. The data set is the offline MNIST stand-in: generated, learnable handwriting-like digits
-# stored in MNIST's own file format, so that `torchvision.datasets.MNIST` reads it. With internet, `make data`
+# stored in MNIST's own file format, which `torchvision.datasets.MNIST` reads as well. With internet, `make data`
 # fetches the real MNIST and `--dataset auto` (the default) uses it.
 
 # %%

@@ -34,9 +34,16 @@ def test_mnist_standin_reads_through_torchvision_mnist(data_dir):
         assert image.size == (28, 28) and isinstance(label, int)
 
 
+class CIFAR10StandIn(torchvision.datasets.CIFAR10):
+    """torchvision's CIFAR10 class pointed at the stand-in's files (no md5 check: they are generated)."""
+    base_folder = common.CIFAR_STANDIN_FOLDER
+    train_list = [[f"data_batch_{i}", None] for i in range(1, 6)]
+    test_list = [["test_batch", None]]
+    meta = {"filename": "batches.meta", "key": "label_names", "md5": None}
+
+
 def test_cifar_standin_reads_through_torchvision_cifar10(data_dir):
-    cls = common.cifar10_standin_class()
-    assert issubclass(cls, torchvision.datasets.CIFAR10)
+    cls = CIFAR10StandIn
     n_train, n_test = standins.STANDIN_SIZES["cifar10"]
     for train, n in ((True, n_train), (False, n_test)):
         ds = cls(str(data_dir / common.STANDIN_SUBDIR), train=train)
@@ -45,6 +52,26 @@ def test_cifar_standin_reads_through_torchvision_cifar10(data_dir):
         assert ds.classes == standins.CIFAR_CLASSES
         image, label = ds[0]
         assert image.size == (32, 32) and 0 <= label < 10
+
+
+@pytest.mark.parametrize("dataset", ["mnist-standin", "cifar10-standin"])
+def test_the_course_reads_the_files_exactly_as_torchvision_does(data_dir, dataset):
+    """common.load_dataset reads the IDX files and pickled batches itself; torchvision's classes must agree."""
+    root = str(data_dir / common.STANDIN_SUBDIR)
+    for train in (True, False):
+        ours = common.load_dataset(dataset, data_dir, train=train)
+        if dataset == "mnist-standin":
+            theirs = torchvision.datasets.MNIST(root, train=train)
+            pixels = theirs.data.float().div(255).sub(common.MNIST_MEAN).div(common.MNIST_STD).unsqueeze(1)
+            labels = theirs.targets
+        else:
+            theirs = CIFAR10StandIn(root, train=train)
+            pixels = torch.from_numpy(theirs.data).permute(0, 3, 1, 2).float().div(255)
+            pixels = (pixels - torch.tensor(common.CIFAR_MEAN).view(1, 3, 1, 1)) / \
+                torch.tensor(common.CIFAR_STD).view(1, 3, 1, 1)
+            labels = torch.tensor(theirs.targets)
+        assert torch.equal(ours.tensors[1], labels)
+        assert torch.equal(ours.tensors[0], pixels)
 
 
 def test_standins_are_deterministic_and_seed_dependent():
