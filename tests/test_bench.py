@@ -114,23 +114,25 @@ def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, da
 
 
 def test_benchmarks_refuse_bad_input(tmp_path):
-    from harness import PYTHON, run
+    from harness import exits
 
-    bad = run([PYTHON, REPO / "bench/amp.py", "--models", "vgg", "--output-dir", tmp_path], expect_rc=2)
-    assert "unknown ['vgg']" in bad.stderr
-    bad = run([PYTHON, REPO / "bench/buckets.py"], expect_rc=2)
-    assert "start me with torchrun" in bad.stderr
-    bad = run([PYTHON, REPO / "bench/throughput.py", "--steps", "0", "--output-dir", tmp_path], expect_rc=2)
-    assert "--steps must be at least 1" in bad.stderr
-    bad = run([PYTHON, REPO / "bench/throughput.py", "--world-sizes", "2,0", "--output-dir", tmp_path], expect_rc=2)
-    assert "every world size must be at least 1" in bad.stderr
+    out = ["--output-dir", tmp_path]
+    answers = exits([("bench/amp.py", ["--models", "vgg", *out]), ("bench/buckets.py", []),
+                     ("bench/throughput.py", ["--steps", "0", *out]),
+                     ("bench/throughput.py", ["--world-sizes", "2,0", *out]),
+                     ("bench/versions.py", ["--old", "no-such-commit", *out])])
+    expected = ["unknown ['vgg']", "start me with torchrun", "--steps must be at least 1",
+                "every world size must be at least 1", "error: --old no-such-commit: not a commit of this repository"]
+    for (code, _, err), message in zip(answers, expected, strict=True):
+        assert code == 2 and message in err, (message, err)
     assert not list(tmp_path.iterdir())
 
 
 # ------------------------------------------------------------------ make gpu-check: what runs where
 
 NOT_RUN_BY_GPU_CHECK = {"help", "setup", "data", "test", "test-fast", "notebooks", "diffs", "mutants", "lint", "clean",
-                        "distclean", "check-nproc", "check-nnodes", "bench", "bench-quick", "gpu-check"}
+                        "distclean", "check-nproc", "check-nnodes", "bench", "bench-quick", "gpu-check",
+                        "bench-versions"}  # CPU only: two versions of the course against each other
 
 
 def make_targets() -> set[str]:
