@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 
 def plan(nnodes: int, nproc: int, visible: list[str]) -> tuple[list[str], str]:
@@ -34,6 +35,8 @@ def plan(nnodes: int, nproc: int, visible: list[str]) -> tuple[list[str], str]:
 
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, named as CUDA_VISIBLE_DEVICES names them (indices or UUIDs)."""
+    if not any(Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")):
+        return []  # no NVIDIA driver (WSL2 shows /dev/dxg): no GPU, and no need to import torch to learn it
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -7,9 +7,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, also 
 
 import common  # noqa: E402
 
+COLLECTED: dict[str, bool] = {}  # every test this session collected, before -m/-k: node id -> needs a GPU
 
+
+@pytest.hookimpl(tryfirst=True)  # before -m and -k deselect anything
 def pytest_collection_modifyitems(config, items):
     """`cuda` tests need one usable GPU, `multigpu` tests two; elsewhere they are skipped, with the reason."""
+    COLLECTED.update({item.nodeid: any(item.get_closest_marker(m) for m in ("cuda", "multigpu")) for item in items})
     gpus = common.gpu_count()
     needs = {"cuda": 1, "multigpu": 2}
     for item in items:
