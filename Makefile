@@ -145,7 +145,7 @@ exit-stress: $(STAMP) ## a finished 3-rank job RUNS times, leaving with and with
 
 launch-legacy: $(STAMP) check-nproc ## the deprecated python -m torch.distributed.launch (passes --local-rank)
 	@$(CHECK) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
-	$(PY) -m torch.distributed.launch --nproc-per-node $(NPROC) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
+	$(PY) -m torch.distributed.launch --local-addr 127.0.0.1 --nproc-per-node $(NPROC) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 
 # ------------------------------------------------------------------ 04: several nodes
 

@@ -49,7 +49,9 @@ for node in $only; do
     rdzv=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --rdzv-id "job-$port"
           --rdzv-conf "join_timeout=$join_timeout")
   fi
-  cmd=("$py" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" 03_ddp_torchrun/mnist_torchrun.py)
+  # --local-addr: every "node" is this machine, whose host name may not resolve (torchrun would wait on it)
+  cmd=("$py" -m torch.distributed.run "${rdzv[@]}" --local-addr 127.0.0.1 --nproc-per-node "$nproc"
+       03_ddp_torchrun/mnist_torchrun.py)
   gpus=${node_gpus[$node]}
   if [[ $gpus == cpu ]]; then
     cmd+=(--device cpu)                                  # too few GPUs for one per process

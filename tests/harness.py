@@ -21,7 +21,8 @@ import common
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
+# --local-addr: as the make targets do, so that no test depends on this machine's host name resolving
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--local-addr", "127.0.0.1"]
 
 
 @dataclass

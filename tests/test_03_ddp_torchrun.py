@@ -96,7 +96,7 @@ def test_minimal_elastic_ddp_learns_the_line():
 
 @pytest.mark.slow
 def test_legacy_launcher_passes_local_rank_and_it_parses(data_dir):
-    res = run([PYTHON, "-m", "torch.distributed.launch", "--nproc-per-node", "1",
+    res = run([PYTHON, "-m", "torch.distributed.launch", "--local-addr", "127.0.0.1", "--nproc-per-node", "1",
                REPO / "03_ddp_torchrun/mnist_torchrun.py", *STANDIN.format(data_dir).split(),
                "--epochs", "1", "--max-steps", "3"], timeout=120)
     assert res.final["world_size"] == 1

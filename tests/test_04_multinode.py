@@ -180,22 +180,38 @@ def test_netns_demo_explains_itself_without_root():
     assert "needs root" in res.stderr and "Nothing was changed" in res.stderr
 
 
+def port_is_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 @pytest.mark.slow
 def test_slurm_script_builds_the_torchrun_command_and_runs(tmp_path, data_dir):
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "scontrol").write_text("#!/bin/sh\necho localhost\necho othernode\n")
     (fake / "srun").write_text('#!/bin/sh\nexec "$@"\n')  # one node: run the command right here
+    # this machine plays a cluster node, but its host name may not resolve as a node's does: bind the agent to
+    # 127.0.0.1 (the script's own command line is checked below)
+    real = Path(PYTHON).parent / "torchrun"
+    (fake / "torchrun").write_text(f'#!/bin/sh\nexec "{real}" --local-addr 127.0.0.1 "$@"\n')
     for f in fake.iterdir():
         f.chmod(0o755)
+    job = next(j for j in range(4242, 20000) if port_is_free(20000 + j))  # the script's port: 20000 + job id
     env = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "localhost,othernode",
-           "SLURM_JOB_ID": "4242", "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "2",
-           "TORCHRUN": str(Path(PYTHON).parent / "torchrun")}
+           "SLURM_JOB_ID": str(job), "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "2",
+           "TORCHRUN": str(fake / "torchrun")}
     res = run(["bash", REPO / "04_multinode_tcp/slurm_ddp.sbatch", *SHORT.format(data_dir).split()],
               env=env, timeout=180)
-    assert re.search(r"on every node: \S*torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d "
-                     r"--rdzv-endpoint localhost:24242 --rdzv-id 4242 --rdzv-conf join_timeout=300 "
-                     r"03_ddp_torchrun/mnist_torchrun.py", res.stdout), res.stdout
+    assert re.search(rf"on every node: \S*torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d "
+                     rf"--rdzv-endpoint localhost:{20000 + job} --rdzv-id {job} --rdzv-conf join_timeout=300 "
+                     rf"03_ddp_torchrun/mnist_torchrun.py", res.stdout), res.stdout
     assert res.final["world_size"] == 2
 
 
