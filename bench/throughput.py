@@ -153,7 +153,8 @@ def run_spawn(ws: int, cfg: dict, tmp: str) -> dict:
 
 def run_torchrun(ws: int, cfg: dict, tmp: str) -> dict:
     out = os.path.join(tmp, f"torchrun_{ws}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ws}", __file__,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+           f"--nproc-per-node={ws}", __file__,
            "--worker-out", out, "--worker-config", json.dumps(cfg), "--launched-at", repr(time.time())]
     benchlib.run_bounded(cmd, timeout=cfg["timeout"] * 2, env={"OMP_NUM_THREADS": "1"})  # no torchrun banner
     return json.loads(Path(out).read_text())

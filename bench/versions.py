@@ -32,8 +32,8 @@ DATA = ["--dataset", "mnist-standin", "--epochs", "1", "--device", "cpu"]
 RUNS = {  # name: the command, relative to a tree of the course
     "single": ["01_dataparallel/mnist_single.py", *DATA],
     "spawn_ws2": ["02_ddp_spawn/mnist_spawn.py", "--nproc", "2", *DATA],
-    "torchrun_ws2": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                     "03_ddp_torchrun/mnist_torchrun.py", *DATA],
+    "torchrun_ws2": ["-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+                     "--nproc-per-node", "2", "03_ddp_torchrun/mnist_torchrun.py", *DATA],
 }
 
 
