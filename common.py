@@ -71,6 +71,7 @@ def _unrecognized(message: str) -> list[str]:
         return []
     return [word.split("=")[0] for word in message.split(":", 1)[1].split() if word.startswith("-")]
 
+
 def _speaks_for_the_job() -> bool:
     """Rank 0 speaks for everyone; so does a process started alone, or one whose RANK makes no sense."""
     try:
@@ -83,11 +84,17 @@ def _speaks_for_the_job() -> bool:
 def training_parser(doc: str, *, amp: bool = False, **defaults) -> ArgumentParser:
     """The parser of a training script: the module docstring's first sentence as description, the shared flags.
 
-    The source notes' --use_mix_precision is refused with a pointer to step 6 unless the script has AMP (amp=True).
+    Scripts with mixed precision (amp=True) get --amp and the source notes' --use_mix_precision; the others
+    refuse --use_mix_precision with a pointer to step 6.
     """
     parser = ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
     add_common_args(parser, **defaults)
-    if not amp:
+    if amp:
+        parser.add_argument("--amp", default="auto", choices=("auto", "off", "fp16", "bf16"),
+                            help="mixed precision; auto = fp16 on CUDA, bf16 on CPU")
+        parser.add_argument("--use_mix_precision", "--use-mix-precision", action="store_const", const="fp16",
+                            dest="amp", help="the source notes' spelling of --amp fp16")
+    else:
         refuse(parser, "--use_mix_precision", "--use-mix-precision", why="mixed precision is the lesson of step 6: "
                "06_amp_syncbn/mnist_amp_syncbn.py --use_mix_precision (or --amp fp16)")
     if not defaults.get("distributed", True):
@@ -95,9 +102,11 @@ def training_parser(doc: str, *, amp: bool = False, **defaults) -> ArgumentParse
                "CUDA_VISIBLE_DEVICES=N in front of the command (or --device cpu)")
     return parser
 
+
 MNIST_DATASETS = ("auto", "mnist", "mnist-standin")
 
 CIFAR_DATASETS = ("auto", "cifar10", "cifar10-standin")
+
 
 def _number(kind, low: float, low_ok: bool, what: str):
     """An argparse type: a finite number of `kind` above `low` (or equal to it when low_ok)."""
@@ -111,11 +120,13 @@ def _number(kind, low: float, low_ok: bool, what: str):
         return value
     return parse
 
+
 positive_int = _number(int, 1, True, "a whole number of at least 1")
 
 count_or_zero = _number(int, 0, True, "0 (off) or a positive whole number")
 
 positive_float = _number(float, 0.0, False, "a positive number")
+
 
 def add_common_args(parser: argparse.ArgumentParser, *, family: str = "mnist", epochs: int = 2,
                     batch_size: int = 64, lr: float = 0.01, distributed: bool = True) -> None:
@@ -149,6 +160,7 @@ def add_common_args(parser: argparse.ArgumentParser, *, family: str = "mnist", e
         parser.add_argument("--timeout", type=positive_float, default=60.0,
                             help="seconds any collective may wait before the job fails (default %(default)s)")
 
+
 def local_rank_arg(text: str) -> int:
     """--local-rank as the deprecated torch.distributed.launch passes it: one whole number."""
     if "," in text:
@@ -176,9 +188,10 @@ def refuse(parser: argparse.ArgumentParser, *flags: str, why: str) -> None:
     parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
 
 
-def check_args(parser: argparse.ArgumentParser, args, *, local_rank: int = 0,
+def check_args(parser: argparse.ArgumentParser, args, *, rank: int = 0, world_size: int = 1, local_rank: int = 0,
                procs_per_node: int = 1) -> tuple[torch.device, str | None]:
-    """Check the shared flags, then choose this process's device and backend and return them.
+    """Check the shared flags and this process's place in the job (PyTorch checks neither the ranks nor a
+    file:// --init-method), then choose its device and backend and return them.
 
     Any mistake ends the program with one line (parser.error) before anything starts.
     See choose_device for the choice; single-process scripts get backend None.
@@ -192,12 +205,14 @@ def check_args(parser: argparse.ArgumentParser, args, *, local_rank: int = 0,
         parser.error(f"--data-dir {data_dir} is not a directory")
     if data_dir.exists() and not os.access(data_dir, os.R_OK | os.X_OK):
         parser.error(f"--data-dir {data_dir} is not readable")
-    if getattr(args, "checkpoint_dir", ""):
-        try:
-            _check_checkpoint_dir(Path(args.checkpoint_dir))
-        except UsageError as err:
-            parser.error(str(err))
+    if not 0 <= rank < world_size or local_rank < 0:
+        parser.error(f"rank {rank}, local rank {local_rank}, world size {world_size}: ranks run from 0 to "
+                     f"world size - 1 (nodes x processes per node), local ranks from 0")
     try:
+        if getattr(args, "checkpoint_dir", ""):
+            _check_checkpoint_dir(Path(args.checkpoint_dir))
+        if getattr(args, "init_method", None):
+            _check_init_method(args.init_method)
         placed = choose_device(args.device, getattr(args, "backend", None), local_rank=local_rank,
                                procs_per_node=procs_per_node)
         if os.environ.get("COURSE_CHECK_ONLY") == "1":
@@ -207,6 +222,19 @@ def check_args(parser: argparse.ArgumentParser, args, *, local_rank: int = 0,
         return placed
     except UsageError as err:
         parser.error(str(err))
+
+
+def _check_init_method(init_method: str) -> None:
+    """tcp://HOST:PORT, or file:// of a new file in a writable folder: anything else fails later, or hangs."""
+    if not init_method.startswith(("tcp://", "file://")):
+        raise UsageError("--init-method must be tcp://HOST:PORT (rank 0's address) or file://PATH (a new file)")
+    path = Path(init_method[len("file://"):])
+    if init_method.startswith("file://") and (not path.parent.is_dir() or not os.access(path.parent, os.W_OK)):
+        raise UsageError(f"{init_method}: the folder {path.parent} does not exist or is not writable")
+    if init_method.startswith("file://") and path.exists() and time.time() - path.stat().st_mtime > 60:
+        raise UsageError(f"{init_method} already exists, left by an earlier job: a file:// path must be new for "
+                         f"every job (delete it or pick another name)")
+
 
 def _dataset_choices(parser: argparse.ArgumentParser) -> tuple:
     return next((a.choices for a in parser._actions if a.dest == "dataset"), ())
@@ -218,6 +246,7 @@ def _dataset_choices(parser: argparse.ArgumentParser) -> tuple:
 class UsageError(ValueError):
     """A request that cannot work; the message says what to do instead."""
 
+
 def gpu_count() -> int:
     """The CUDA GPUs this process can use: 0 without CUDA, without a working driver, or with GPUs older
     than this torch build has kernels for (it would fail at the first operation)."""
@@ -226,16 +255,19 @@ def gpu_count() -> int:
     count = torch.cuda.device_count()
     return 0 if _too_old_gpus(count) else count
 
+
 def _too_old_gpus(count: int) -> list[str]:
     """The visible GPUs whose compute capability is below the lowest this build was compiled for."""
     low = _lowest_arch()
     return [f"{torch.cuda.get_device_name(i)} ({'.'.join(map(str, torch.cuda.get_device_capability(i)))})"
             for i in range(count) if low and torch.cuda.get_device_capability(i) < low]
 
+
 def _lowest_arch() -> tuple[int, int] | None:
     """The oldest GPU generation this torch build has kernels for, as (major, minor): (7, 5) for sm_75."""
     archs = [int(a[3:]) for a in torch.cuda.get_arch_list() if a.startswith("sm_") and a[3:].isdigit()]
     return (min(archs) // 10, min(archs) % 10) if archs else None
+
 
 def choose_device(device: str = "auto", backend: str | None = "auto", *, local_rank: int = 0,
                   procs_per_node: int = 1) -> tuple[torch.device, str | None]:
@@ -270,7 +302,9 @@ def choose_device(device: str = "auto", backend: str | None = "auto", *, local_r
         return torch.device("cpu"), backend
     return torch.device("cuda", local_rank % gpus), backend
 
+
 _DRIVER_FLOOR = {"13": "580", "12": "525", "11": "450"}
+
 
 def runtime_report(device: torch.device, backend: str | None = None, procs_per_node: int = 1,
                    gpus_per_process: int = 1) -> str:
@@ -308,6 +342,7 @@ def runtime_report(device: torch.device, backend: str | None = None, procs_per_n
                      f"{'.'.join(map(str, _lowest_arch() or ('?',)))} or newer.")
     return "\n".join(lines)
 
+
 def share_cpu_threads(procs_per_node: int) -> int:
     """Give each of `procs_per_node` CPU processes its share of the cores; return the thread count.
 
@@ -342,6 +377,7 @@ REAL_FILES = {"mnist": [f"MNIST/raw/{split}-{kind}" for split in ("train", "t10k
                           ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))]}
 
 OFFLINE_MEMORY_S = 3600  # after a failed download, `auto` does not try again for an hour
+
 
 def prepare_data(dataset: str, data_dir, family: str = "mnist", quiet: bool = False) -> str:
     """Make sure the data exists on disk; return the concrete data set name used.
@@ -394,11 +430,13 @@ def prepare_data(dataset: str, data_dir, family: str = "mnist", quiet: bool = Fa
                              f"Connect to the internet and run `make data`, or use --dataset {family}-standin.")
     return dataset
 
+
 def resolve_dataset(dataset: str, data_dir, family: str = "mnist") -> str:
     """The concrete name `auto` stands for, once prepare_data has run somewhere (no downloads here)."""
     if dataset != "auto":
         return dataset
     return family if not _missing_real(family, data_dir) else f"{family}-standin"
+
 
 def try_download(family: str, data_dir, quiet: bool = False) -> str | None:
     """Download the real data set with torchvision; None on success, else the reason it failed."""
@@ -426,16 +464,20 @@ def try_download(family: str, data_dir, quiet: bool = False) -> str | None:
     finally:
         socket.setdefaulttimeout(old_timeout)
 
+
 def family_of(dataset: str) -> str:
     return "mnist" if dataset.startswith("mnist") else "cifar10"
+
 
 def _missing_real(family: str, data_dir) -> list[str]:
     """The files of the real data set that are not in data_dir (all of them when it was never downloaded)."""
     return [f for f in REAL_FILES[family] if not (Path(data_dir) / f).is_file()]
 
+
 def _standin_folder(family: str, data_dir) -> Path:
     root = Path(data_dir) / STANDIN_SUBDIR
     return root / "MNIST" / "raw" if family == "mnist" else root / CIFAR_STANDIN_FOLDER
+
 
 def _standin_damage(family: str, data_dir) -> str | None:
     """None when the stand-in is complete; else what is wrong with it ("not generated yet", a file's size...)."""
@@ -452,6 +494,7 @@ def _standin_damage(family: str, data_dir) -> str | None:
             return f"{path} has {path.stat().st_size} bytes, not {size}"
     return None
 
+
 def _check_writable(data_dir: Path, what: str) -> None:
     """--data-dir must exist (or be creatable) and be writable before anything is downloaded or written there."""
     try:
@@ -467,6 +510,7 @@ def _check_writable(data_dir: Path, what: str) -> None:
 def _failure_note(family: str, data_dir) -> Path:
     return Path(data_dir) / STANDIN_SUBDIR / f".{family}-download-failed"
 
+
 def _recent_download_failure(family: str, data_dir) -> str | None:
     """The reason of a failed download of the last hour, so that `auto` does not wait for the network each run."""
     note = _failure_note(family, data_dir)
@@ -476,6 +520,7 @@ def _recent_download_failure(family: str, data_dir) -> str | None:
     except OSError:
         pass
     return None
+
 
 def _remember_download_failure(family: str, data_dir, reason: str) -> None:
     if "not retried" in reason:
@@ -496,6 +541,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     torch.backends.cudnn.deterministic = True  # on a GPU; no effect on the CPU
     torch.backends.cudnn.benchmark = False
+
 
 def load_dataset(dataset: str, data_dir, train: bool) -> TensorDataset:
     """The whole split as normalised tensors in memory (no per-sample PIL work while training).
@@ -547,6 +593,7 @@ def batch_loader(dataset: TensorDataset, batch_size: int, sampler=None, shuffle:
     return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last), batch_size=None,
                       pin_memory=pin_memory)
 
+
 class ConvNet(nn.Module):
     """The small MNIST network of the course: two conv + BatchNorm + pool blocks, one linear layer."""
 
@@ -564,6 +611,7 @@ class ConvNet(nn.Module):
         x = self.layer2(self.layer1(x))
         return self.fc(x.flatten(1))
 
+
 class ToyModel(nn.Module):
     """Two linear layers (10 -> 10 -> 5): big enough to have gradients, small enough to print."""
 
@@ -575,6 +623,7 @@ class ToyModel(nn.Module):
 
     def forward(self, x):
         return self.net2(self.relu(self.net1(x)))
+
 
 def resnet18_cifar(num_classes: int = 10) -> nn.Module:
     """torchvision's ResNet-18 adapted to 32x32 images: a 3x3 stem with stride 1 and no max-pool."""
@@ -613,6 +662,7 @@ def resume_state(path: Path | None, run: dict) -> dict | None:
                          f"Wait for it to end, or use another --checkpoint-dir")
     return state
 
+
 def load_checkpoint(path) -> dict:
     """A checkpoint written by atomic_save, loaded onto the CPU with weights_only=True.
 
@@ -626,6 +676,7 @@ def load_checkpoint(path) -> dict:
         raise UsageError(f"{path} is damaged or not a checkpoint (torch.load: {type(err).__name__}). It was left as "
                          f"it is: move it away, or use another --checkpoint-dir, to start over") from None
 
+
 def _check_checkpoint_dir(folder: Path) -> None:
     """Make the checkpoint folder, or say in one line why it cannot be written (before any training)."""
     try:
@@ -635,13 +686,16 @@ def _check_checkpoint_dir(folder: Path) -> None:
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"--checkpoint-dir {folder} is not a writable folder")
 
+
 def save_checkpoint(path: Path, run: dict, **state) -> Path:
     """atomic_save of `state`, with what the run is (see resume_state) and which process wrote it."""
     return atomic_save({"run": run, "writer": _this_process(), **state}, path)
 
+
 def _this_process() -> dict:
     """Who writes a checkpoint: host, pid, and the pid's start time (so that a reused pid is not taken for it)."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid())}
+
 
 def _start_time(pid: int) -> str | None:
     """A process's start, as boot id + clock ticks since boot (Linux); None where /proc does not tell."""
@@ -651,6 +705,7 @@ def _start_time(pid: int) -> str | None:
     except (OSError, IndexError):
         return None
 
+
 def rng_state() -> dict:
     """Python's and torch's RNG states, and this process's current GPU's, in a form that
     torch.load(weights_only=True) accepts. Only the current GPU: the file must load on a machine with fewer."""
@@ -658,6 +713,7 @@ def rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
 
 def set_rng_state(state: dict) -> None:
     """Restore what rng_state() saved, however the checkpoint was loaded.
@@ -693,10 +749,12 @@ def say(*parts) -> None:
     sys.stdout.write(" ".join(str(p) for p in parts) + "\n")
     sys.stdout.flush()
 
+
 def print0(rank: int, *parts) -> None:
     """Print one whole line, from rank 0 only (other ranks stay quiet)."""
     if rank == 0:
         say(*parts)
+
 
 def progress(iterable, rank: int, desc: str = "", total: int | None = None):
     """A tqdm bar on rank 0; on other ranks the bare iterable."""
@@ -816,18 +874,22 @@ def _atomic_write(path, write) -> Path:
         os.close(dir_fd)
     return path
 
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
 
+
 def atomic_write_bytes(data: bytes, path) -> Path:
     """Write `data` to `path` so that a crash mid-write leaves the previous file intact."""
     return _atomic_write(path, lambda f: f.write(data))
 
+
 def atomic_save(obj, path) -> Path:
     """torch.save through a temp file, fsync and os.replace: a killed save never corrupts `path`."""
     return _atomic_write(path, lambda f: torch.save(obj, f))
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the OS picks it; another program could still take it)."""

@@ -176,5 +176,3 @@ def write_manifest(folder: Path) -> Path:
     """List every file of a stand-in with its size, last: a complete manifest means a complete write."""
     sizes = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.name != MANIFEST and p.is_file()}
     return atomic_write_bytes((json.dumps(sizes, indent=1) + "\n").encode(), folder / MANIFEST)
-
-

@@ -79,7 +79,7 @@ def train(args, device, rank=0, world_size=1):
         correct, samples, loss_sum = totals.tolist()
         common.print0(rank, common.line("epoch", epoch=epoch + 1, epochs=args.epochs, train_loss=loss.item(),
                                         test_loss=loss_sum / samples, test_acc=correct / samples))
-        if rank == 0 and path:
+        if rank == 0 and path:  # one writer is enough: under DDP, every rank holds the same weights
             common.save_checkpoint(path, run, model=model.module.state_dict(),  # DP: plain keys for anyone
                                    optimizer=optimizer.state_dict(),
                                    epoch=epoch + 1, rng=common.rng_state(), device=device.type)
@@ -126,7 +126,7 @@ def main():
     check_gpus(parser, args, device)
     common.print0(0, common.runtime_report(device))
     try:
-        args.dataset = common.prepare_data(args.dataset, args.data_dir)  # "auto" becomes what was found
+        args.dataset = common.prepare_data(args.dataset, args.data_dir)  # once, before any training starts
         train(args, device)
     except common.UsageError as err:
         parser.error(str(err))

@@ -71,7 +71,7 @@ def train(args, device, rank=0, world_size=1):
         correct, samples, loss_sum = totals.tolist()
         common.print0(rank, common.line("epoch", epoch=epoch + 1, epochs=args.epochs, train_loss=loss.item(),
                                         test_loss=loss_sum / samples, test_acc=correct / samples))
-        if rank == 0 and path:
+        if rank == 0 and path:  # one writer is enough: under DDP, every rank holds the same weights
             common.save_checkpoint(path, run, model=model.state_dict(), optimizer=optimizer.state_dict(),
                                    epoch=epoch + 1, rng=common.rng_state(), device=device.type)
 
@@ -89,7 +89,7 @@ def main():
     device, _ = common.check_args(parser, args)  # every mistake in one line, before anything starts
     common.print0(0, common.runtime_report(device))
     try:
-        args.dataset = common.prepare_data(args.dataset, args.data_dir)  # "auto" becomes what is there
+        args.dataset = common.prepare_data(args.dataset, args.data_dir)  # once, before any training starts
         train(args, device)
     except common.UsageError as err:
         parser.error(str(err))

@@ -86,7 +86,7 @@ def train(args, device, rank=0, world_size=1):
         correct, samples, loss_sum = totals.tolist()
         common.print0(rank, common.line("epoch", epoch=epoch + 1, epochs=args.epochs, train_loss=loss.item(),
                                         test_loss=loss_sum / samples, test_acc=correct / samples))
-        if rank == 0 and path:  # DDP: the weights are the same on every rank, one writer is enough
+        if rank == 0 and path:  # one writer is enough: under DDP, every rank holds the same weights
             common.save_checkpoint(path, run, model=model.module.state_dict(), optimizer=optimizer.state_dict(),
                                    epoch=epoch + 1, rng=common.rng_state(), device=device.type)
 
@@ -100,26 +100,6 @@ def train(args, device, rank=0, world_size=1):
         seconds=time.time() - start, dataset=args.dataset, weights=digests[0], ranks_agree=len(set(digests)) == 1))
 
 
-def main_worker(rank, world_size, args):
-    """The life of one process: join the group, train, leave it. mp.spawn passes the rank first."""
-    workarounds.stop_with_launcher()
-    device, backend = common.choose_device(args.device, args.backend, local_rank=rank, procs_per_node=world_size)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
-    else:
-        common.share_cpu_threads(world_size)  # DDP: N processes on one machine share its cores
-    # DDP: env://, rank 0 listens at MASTER_ADDR:MASTER_PORT and the others connect there
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout),
-                            device_id=device if backend == "nccl" else None)  # DDP: NCCL binds this GPU now
-    try:
-        train(args, device, rank, world_size)
-        dist.barrier()  # DDP: every rank finishes its work before any tears the group down
-    finally:
-        workarounds.free_ddp_models()
-        dist.destroy_process_group()  # DDP: leave the group, also after an error
-    workarounds.leave()
-
-
 def main():
     parser = common.training_parser(__doc__)
     parser.add_argument("--nproc", type=common.positive_int, default=2, help="processes to start")
@@ -127,7 +107,7 @@ def main():
     device, backend = common.check_args(parser, args, procs_per_node=args.nproc)  # checked once, in the parent
     common.print0(0, common.runtime_report(device, backend, args.nproc))
     try:
-        args.dataset = common.prepare_data(args.dataset, args.data_dir)  # once, before any worker starts
+        args.dataset = common.prepare_data(args.dataset, args.data_dir)  # once, before any training starts
         os.environ["MASTER_ADDR"] = "127.0.0.1"  # DDP: mp.spawn's workers all run on this machine
         os.environ["MASTER_PORT"] = str(common.free_port())  # DDP: a free port now; a fixed one may be taken
         mp.spawn(main_worker, args=(args.nproc, args), nprocs=args.nproc, join=True)  # DDP: rank = 0 .. nproc-1
@@ -135,6 +115,26 @@ def main():
         parser.error(str(err))
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:  # mp.spawn stopped the others
         sys.exit(f"mnist_spawn: a worker failed, all stopped.\n{common.worker_error(err)}")
+
+
+def main_worker(rank, world_size, args):
+    """The life of one process: join the group, train, leave it. mp.spawn passes the rank first."""
+    device, backend = common.choose_device(args.device, args.backend, local_rank=rank, procs_per_node=world_size)
+    workarounds.stop_with_launcher()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
+    else:
+        common.share_cpu_threads(world_size)  # DDP: share the cores; an OMP_NUM_THREADS set by you or torchrun wins
+    timeout, device_id = timedelta(seconds=args.timeout), device if backend == "nccl" else None  # DDP: NCCL binds it
+    # DDP: env://, rank 0 listens at MASTER_ADDR:MASTER_PORT and the others connect there
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
+    try:
+        train(args, device, rank, world_size)
+        dist.barrier()  # DDP: every rank finishes its work before any tears the group down
+    finally:
+        workarounds.free_ddp_models()
+        dist.destroy_process_group()  # DDP: leave the group, also after an error
+    workarounds.leave()
 
 
 if __name__ == "__main__":

@@ -81,8 +81,7 @@ def train(args, device, rank=0, world_size=1):
             optimizer.step()
             if args.log_every and (step + 1) % args.log_every == 0:
                 common.print0(rank, common.line("step", epoch=epoch + 1, step=step + 1, loss=loss.item()))
-            if (restart == 0 and rank == args.fail_rank
-                    and epoch * steps + step + 1 == args.simulate_failure_at_step):  # the demo: crash once
+            if restart == 0 and rank == args.fail_rank and epoch * steps + step + 1 == args.simulate_failure_at_step:
                 raise RuntimeError(f"simulated failure of rank {rank} at step {step + 1} of epoch {epoch + 1}")
 
         for buffer in model.module.buffers():  # DDP: rank 0's BatchNorm statistics everywhere (see README)
@@ -92,7 +91,7 @@ def train(args, device, rank=0, world_size=1):
         correct, samples, loss_sum = totals.tolist()
         common.print0(rank, common.line("epoch", epoch=epoch + 1, epochs=args.epochs, train_loss=loss.item(),
                                         test_loss=loss_sum / samples, test_acc=correct / samples))
-        if rank == 0 and path:  # DDP: the weights are the same on every rank, one writer is enough
+        if rank == 0 and path:  # one writer is enough: under DDP, every rank holds the same weights
             common.save_checkpoint(path, run, model=model.module.state_dict(), optimizer=optimizer.state_dict(),
                                    epoch=epoch + 1, rng=common.rng_state(), device=device.type)
 
@@ -112,8 +111,8 @@ def main():
     parser = common.training_parser(__doc__)
     common.accept_local_rank(parser)  # the deprecated torch.distributed.launch passes --local-rank
     parser.add_argument("--simulate-failure-at-step", type=common.count_or_zero, default=0,
-                        help="demo: --fail-rank raises at this step (counted over epochs), first attempt only")
-    parser.add_argument("--fail-rank", type=int, default=1, help="the rank that fails (default %(default)s)")
+                        help="demo: --fail-rank crashes at this step (counted over epochs), on the first attempt")
+    parser.add_argument("--fail-rank", type=int, default=1, help="the rank that crashes (default %(default)s)")
     args = parser.parse_args()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         parser.error(f"start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 {__file__}")
@@ -121,24 +120,22 @@ def main():
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))
     procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if not 0 <= rank < world_size or local_rank < 0:  # PyTorch does not check it
-        parser.error(f"RANK={rank} with WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}: ranks run from 0 to "
-                     f"WORLD_SIZE-1")
-    device, backend = common.check_args(parser, args, local_rank=local_rank, procs_per_node=procs_per_node)
+    device, backend = common.check_args(parser, args, rank=rank, world_size=world_size, local_rank=local_rank,
+                                        procs_per_node=procs_per_node)
     common.print0(rank, common.runtime_report(device, backend, procs_per_node))
     workarounds.stop_with_launcher()
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # DDP: the GPU of LOCAL_RANK; every node numbers its GPUs from 0
-
+        torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
+    else:
+        common.share_cpu_threads(procs_per_node)  # DDP: share the cores; an OMP_NUM_THREADS set by you or torchrun wins
     timeout, device_id = timedelta(seconds=args.timeout), device if backend == "nccl" else None  # DDP: NCCL binds it
-    if workarounds.restarts_possible():
-        workarounds.join_group_per_attempt(backend, timeout, device_id)  # see workarounds.py
+    if workarounds.restarts_possible():  # torchrun --max-restarts: see workarounds.py
+        workarounds.join_group_per_attempt(backend, timeout, device_id)
     else:
         dist.init_process_group(backend, timeout=timeout, device_id=device_id)  # DDP: env://, torchrun's variables
     try:
-        # DDP: one process PER NODE prepares the data: local rank 0 exists once on every node (rank 0 once in
-        # the job), and another node may not share this file system. A download may outlast --timeout, so the
-        # others wait on a Gloo side group with a timeout of its own.
+        # DDP: one process PER NODE prepares the data (another node may not share this file system); a download
+        # may outlast --timeout, so the others wait on a Gloo side group with a timeout of its own
         data_ready = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
         if local_rank == 0:
             args.dataset = common.prepare_data(args.dataset, args.data_dir)
@@ -153,8 +150,8 @@ def main():
     finally:
         workarounds.free_ddp_models()
         dist.destroy_process_group()  # DDP: leave the group, also after an error
+    workarounds.leave()
 
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()

@@ -18,7 +18,6 @@ file://PATH), the world size, and its own rank: either --rank directly, or --nod
 The source notes' spellings work too: --init_method, --world_size, -r, -g/--gpuid (the local rank).
 """
 
-import os
 import socket
 import sys
 import time
@@ -90,7 +89,7 @@ def train(args, device, rank=0, world_size=1):
         correct, samples, loss_sum = totals.tolist()
         common.print0(rank, common.line("epoch", epoch=epoch + 1, epochs=args.epochs, train_loss=loss.item(),
                                         test_loss=loss_sum / samples, test_acc=correct / samples))
-        if rank == 0 and path:  # DDP: the weights are the same on every rank, one writer is enough
+        if rank == 0 and path:  # one writer is enough: under DDP, every rank holds the same weights
             common.save_checkpoint(path, run, model=model.module.state_dict(), optimizer=optimizer.state_dict(),
                                    epoch=epoch + 1, rng=common.rng_state(), device=device.type)
 
@@ -110,17 +109,6 @@ def global_rank(parser, args) -> tuple[int, int, int]:
     if args.rank is None and (args.node_rank is None or args.local_rank is None or not 0 <= args.local_rank < nproc):
         parser.error("give --rank, or --node-rank with --nproc-per-node and --local-rank (0 .. nproc-per-node - 1)")
     rank = args.rank if args.rank is not None else args.node_rank * nproc + args.local_rank
-    if not 0 <= rank < args.world_size:  # PyTorch does not check it
-        parser.error(f"rank {rank} is not below --world-size {args.world_size}: ranks run from 0 to "
-                     f"{args.world_size - 1} (world size = nodes x processes per node)")
-    if not args.init_method.startswith(("tcp://", "file://")):
-        parser.error("--init-method must be tcp://HOST:PORT (rank 0's address) or file://PATH (a new file)")
-    path = Path(args.init_method[len("file://"):])
-    if args.init_method.startswith("file://") and (not path.parent.is_dir() or not os.access(path.parent, os.W_OK)):
-        parser.error(f"{args.init_method}: the folder {path.parent} does not exist or is not writable")  # or a hang
-    if args.init_method.startswith("file://") and path.exists() and time.time() - path.stat().st_mtime > 60:
-        parser.error(f"{args.init_method} already exists, left by an earlier job: a file:// path must be new for "
-                     f"every job (delete it or pick another name)")
     return rank, args.local_rank if args.local_rank is not None else rank % nproc, nproc
 
 
@@ -137,44 +125,45 @@ def main():
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=common.positive_int,
                         help="processes on each machine (default with --rank: all on this one)")
     args = parser.parse_args()
+    # DDP: no launcher: each process is told on its command line where to meet and its place in the job
     rank, local_rank, procs_per_node = global_rank(parser, args)
-    device, backend = common.check_args(parser, args, local_rank=local_rank, procs_per_node=procs_per_node)
+    world_size = args.world_size
+    device, backend = common.check_args(parser, args, rank=rank, world_size=world_size, local_rank=local_rank,
+                                        procs_per_node=procs_per_node)
     common.print0(rank, common.runtime_report(device, backend, procs_per_node))
     workarounds.stop_with_launcher()
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # DDP: the GPU of the local rank; every node numbers its GPUs from 0
+        torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
     else:
-        common.share_cpu_threads(procs_per_node)  # DDP: no launcher sets OMP_NUM_THREADS here
+        common.share_cpu_threads(procs_per_node)  # DDP: share the cores; an OMP_NUM_THREADS set by you or torchrun wins
+    timeout, device_id = timedelta(seconds=args.timeout), device if backend == "nccl" else None  # DDP: NCCL binds it
     try:  # DDP: rank 0 listens at the tcp:// address (or creates the file); the others connect (or open it)
-        dist.init_process_group(backend, init_method=args.init_method, rank=rank, world_size=args.world_size,
-                                timeout=timedelta(seconds=args.timeout),
-                                device_id=device if backend == "nccl" else None)  # DDP: NCCL binds this GPU now
+        dist.init_process_group(backend, init_method=args.init_method, rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device_id)
     except (dist.DistNetworkError, dist.DistStoreError) as err:  # the two usual failures, in one line each
         why = ("Rank 0: is the port taken by another program? Others: is rank 0 running and reachable?"
                if isinstance(err, dist.DistNetworkError) else f"the group did not form within --timeout "
-               f"{args.timeout:g} s. Start all {args.world_size} processes with the same --init-method and check that "
-               f"rank 0's address is reachable.")
+               f"{args.timeout:g} s: start all {world_size} processes with the same --init-method.")
         sys.exit(f"error: rank {rank} at {args.init_method}: {str(err).splitlines()[0].rstrip('.')}. {why}")
     try:
-        # DDP: one process PER NODE prepares the data: local rank 0 exists once on every node (rank 0 once in
-        # the job), and another node may not share this file system. A download may outlast --timeout, so the
-        # others wait on a Gloo side group with a timeout of its own.
+        # DDP: one process PER NODE prepares the data (another node may not share this file system); a download
+        # may outlast --timeout, so the others wait on a Gloo side group with a timeout of its own
         data_ready = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
         if local_rank == 0:
             args.dataset = common.prepare_data(args.dataset, args.data_dir)
         dist.barrier(group=data_ready)  # DDP: the others wait here until the data is ready
         args.dataset = common.resolve_dataset(args.dataset, args.data_dir)
-        common.say(f"rank {rank} (node {rank // procs_per_node}, local rank {local_rank}) of "
-                   f"{args.world_size} joined via {args.init_method.split(':')[0]} on {socket.gethostname()}")
-        train(args, device, rank, args.world_size)
+        common.say(f"rank {rank} (node {rank // procs_per_node}, local rank {local_rank}) of {world_size} joined "
+                   f"via {args.init_method.split(':')[0]} on {socket.gethostname()}")
+        train(args, device, rank, world_size)
         dist.barrier()  # DDP: every rank finishes its work before any tears the group down
     except common.UsageError as err:
         parser.error(str(err))
     finally:
         workarounds.free_ddp_models()
         dist.destroy_process_group()  # DDP: leave the group, also after an error
+    workarounds.leave()
 
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()

@@ -112,10 +112,6 @@ def train(args, device, rank=0, world_size=1):
 @record
 def main():
     parser = common.training_parser(__doc__, amp=True, family="cifar10", epochs=2, batch_size=32, lr=0.05)
-    parser.add_argument("--amp", default="auto", choices=("auto", "off", "fp16", "bf16"),
-                        help="auto = fp16 on CUDA, bf16 on CPU")
-    parser.add_argument("--use_mix_precision", "--use-mix-precision", action="store_const", const="fp16",
-                        dest="amp", help="the source notes' spelling of --amp fp16")
     parser.add_argument("--accum-steps", type=common.positive_int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--eval-every", type=common.positive_int, default=1,
                         help="evaluate every K epochs (and after the last)")
@@ -125,7 +121,8 @@ def main():
         parser.error(f"start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 {__file__}")
     rank, world_size, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    device, backend = common.check_args(parser, args, local_rank=local_rank, procs_per_node=procs_per_node)
+    device, backend = common.check_args(parser, args, rank=rank, world_size=world_size, local_rank=local_rank,
+                                        procs_per_node=procs_per_node)
     common.print0(rank, common.runtime_report(device, backend, procs_per_node))
     if args.amp == "auto":
         args.amp = "fp16" if device.type == "cuda" else "bf16"

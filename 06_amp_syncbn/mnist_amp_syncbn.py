@@ -1,8 +1,5 @@
 """Step 6 of the MNIST chain: mixed precision (autocast + GradScaler) and SyncBatchNorm.
 
-The parent is step 3's mnist_torchrun.py (torchrun is how real jobs are started), so the diff shows only what
-this lesson adds.
-
     torchrun --standalone --nproc-per-node 2 06_amp_syncbn/mnist_amp_syncbn.py               # bf16 on CPU, fp16 on GPU
     torchrun --standalone --nproc-per-node 2 06_amp_syncbn/mnist_amp_syncbn.py --amp off --sync-bn
     torchrun --standalone --nproc-per-node 2 06_amp_syncbn/mnist_amp_syncbn.py --use_mix_precision --clip-grad 1
@@ -46,8 +43,7 @@ def train(args, device, rank=0, world_size=1):
         else:
             from syncbn_by_hand import convert_batchnorm  # the same statistics, with one all_reduce
             model = convert_batchnorm(model)
-            common.print0(rank, "--sync-bn on CPU: nn.SyncBatchNorm trains on GPUs only; using the all_reduce "
-                                "batch norm of syncbn_by_hand.py (the same global statistics)")
+            common.print0(rank, "--sync-bn on CPU: nn.SyncBatchNorm trains on GPUs only; using syncbn_by_hand.py")
     # DDP: copies rank 0's weights to every rank now, then averages the gradients in every backward()
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -104,7 +100,7 @@ def train(args, device, rank=0, world_size=1):
         correct, samples, loss_sum = totals.tolist()
         common.print0(rank, common.line("epoch", epoch=epoch + 1, epochs=args.epochs, train_loss=loss.item(),
                                         test_loss=loss_sum / samples, test_acc=correct / samples))
-        if rank == 0 and path:  # DDP: the weights are the same on every rank, one writer is enough
+        if rank == 0 and path:  # one writer is enough: under DDP, every rank holds the same weights
             common.save_checkpoint(path, run, model=model.module.state_dict(), optimizer=optimizer.state_dict(),
                                    scaler=scaler.state_dict(), epoch=epoch + 1, rng=common.rng_state(),
                                    device=device.type)
@@ -124,10 +120,6 @@ def train(args, device, rank=0, world_size=1):
 def main():
     parser = common.training_parser(__doc__, amp=True)
     common.accept_local_rank(parser)  # the deprecated torch.distributed.launch passes --local-rank
-    parser.add_argument("--amp", default="auto", choices=("auto", "off", "fp16", "bf16"),
-                        help="mixed precision; auto = fp16 on CUDA, bf16 on CPU")
-    parser.add_argument("--use_mix_precision", "--use-mix-precision", action="store_const", const="fp16",
-                        dest="amp", help="the source notes' spelling of --amp fp16")
     parser.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks' samples")
     parser.add_argument("--clip-grad", type=common.positive_float, help="clip the gradient norm to this")
     args = parser.parse_args()
@@ -137,29 +129,26 @@ def main():
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))
     procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if not 0 <= rank < world_size or local_rank < 0:  # PyTorch does not check it
-        parser.error(f"RANK={rank} with WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}: ranks run from 0 to "
-                     f"WORLD_SIZE-1")
-    device, backend = common.check_args(parser, args, local_rank=local_rank, procs_per_node=procs_per_node)
+    device, backend = common.check_args(parser, args, rank=rank, world_size=world_size, local_rank=local_rank,
+                                        procs_per_node=procs_per_node)
     common.print0(rank, common.runtime_report(device, backend, procs_per_node))
     if args.amp == "auto":
         args.amp = "fp16" if device.type == "cuda" else "bf16"
     if args.amp == "fp16" and device.type == "cpu":
-        common.print0(rank, "WARNING: fp16 autocast on a CPU runs, but bf16 is the mixed precision for CPUs: "
-                            "use --amp bf16 there")
+        common.print0(rank, "WARNING: fp16 autocast runs on a CPU, but bf16 is the CPU's mixed precision (--amp bf16)")
     workarounds.stop_with_launcher()
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # DDP: the GPU of LOCAL_RANK; every node numbers its GPUs from 0
-
+        torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
+    else:
+        common.share_cpu_threads(procs_per_node)  # DDP: share the cores; an OMP_NUM_THREADS set by you or torchrun wins
     timeout, device_id = timedelta(seconds=args.timeout), device if backend == "nccl" else None  # DDP: NCCL binds it
-    if workarounds.restarts_possible():
-        workarounds.join_group_per_attempt(backend, timeout, device_id)  # see workarounds.py
+    if workarounds.restarts_possible():  # torchrun --max-restarts: see workarounds.py
+        workarounds.join_group_per_attempt(backend, timeout, device_id)
     else:
         dist.init_process_group(backend, timeout=timeout, device_id=device_id)  # DDP: env://, torchrun's variables
     try:
-        # DDP: one process PER NODE prepares the data: local rank 0 exists once on every node (rank 0 once in
-        # the job), and another node may not share this file system. A download may outlast --timeout, so the
-        # others wait on a Gloo side group with a timeout of its own.
+        # DDP: one process PER NODE prepares the data (another node may not share this file system); a download
+        # may outlast --timeout, so the others wait on a Gloo side group with a timeout of its own
         data_ready = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
         if local_rank == 0:
             args.dataset = common.prepare_data(args.dataset, args.data_dir)
@@ -174,8 +163,8 @@ def main():
     finally:
         workarounds.free_ddp_models()
         dist.destroy_process_group()  # DDP: leave the group, also after an error
+    workarounds.leave()
 
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()

@@ -183,8 +183,6 @@ def test_resume_on_a_gpu(copied, data_dir):
         assert torch.allclose(value.double(), resumed["model"][key].double(), rtol=0, atol=1e-5), key
 
 
-
-
 @pytest.mark.slow
 def test_timeline_all_reduce_overlaps_backward_only_with_several_buckets(tmp_path):
     # ResNet-18 has ~45 MB of gradients: several buckets by default, one with bucket_cap_mb=10000

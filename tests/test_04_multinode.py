@@ -115,11 +115,11 @@ def test_port_taken_and_bad_file_paths_get_clear_errors(tmp_path):
 def test_mnist_tcp_refuses_impossible_ranks():
     base = ["04_multinode_tcp/mnist_tcp.py", "--init-method", "tcp://127.0.0.1:1"]
     cases = [
-        (["--world-size", "2", "--rank", "2"], "rank 2 is not below --world-size 2"),
+        (["--world-size", "2", "--rank", "2"], "rank 2, local rank 0, world size 2: ranks run from 0"),
         (["--world-size", "4", "--nproc-per-node", "2", "--node-rank", "1", "--local-rank", "2"],
          "--local-rank (0 .. nproc-per-node - 1)"),
         (["--world-size", "4", "--nproc-per-node", "2", "--node-rank", "2", "--local-rank", "0"],
-         "rank 4 is not below --world-size 4"),
+         "rank 4, local rank 0, world size 4: ranks run from 0"),
         (["--world-size", "4", "--node-rank", "1", "--local-rank", "0"], "--node-rank with --nproc-per-node"),
         (["--world-size", "2"], "give --rank, or --node-rank with --nproc-per-node and --local-rank"),
         (["--world_size", "2", "-r", "0", "--use_mix_precision"],  # the source notes' command line

@@ -45,7 +45,7 @@ def test_scaler_state_survives_the_checkpoint_and_resume_continues_identically(d
     base = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
             *STANDIN.format(data_dir).split(), "--amp", "fp16", "--max-steps", "8", "--device", "cpu"]
     straight = run(base + ["--epochs", "2", "--checkpoint-dir", tmp_path / "A"], timeout=180)
-    assert "WARNING: fp16 autocast on a CPU runs, but bf16 is the mixed precision for CPUs" in straight.stdout
+    assert "WARNING: fp16 autocast runs on a CPU, but bf16 is the CPU's mixed precision" in straight.stdout
     run(base + ["--epochs", "1", "--checkpoint-dir", tmp_path / "B"], timeout=180)
     resumed = run(base + ["--epochs", "2", "--checkpoint-dir", tmp_path / "B"], timeout=180)
     assert "resumed from" in resumed.stdout

@@ -30,6 +30,7 @@ def test_each_notebook_is_its_source_with_outputs(source):
 def test_every_notebook_has_a_source():
     assert {p.stem for p in (REPO / "notebooks").glob("0*.ipynb")} == {p.stem for p in SOURCES}
 
+
 PATTERNS = get_sanitize_patterns((REPO / "tests" / "nbval_sanitize.cfg").read_text())
 
 

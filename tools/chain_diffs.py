@@ -29,7 +29,7 @@ CHAIN = [
     ("03_ddp_torchrun/mnist_torchrun.py", "04_multinode_tcp/mnist_tcp.py"),
     ("03_ddp_torchrun/mnist_torchrun.py", "06_amp_syncbn/mnist_amp_syncbn.py"),
 ]
-LIMIT = 80  # changed code lines (added + removed) a step may show: one lesson, its imports and its launcher
+LIMIT = 70  # changed code lines (added + removed) a step may show: one lesson, its imports and its launcher
 BLOCK = re.compile(r"(<!-- chain-diff: (\S+) -> (\S+) -->\n)(.*?)(<!-- /chain-diff -->)", re.S)
 
 
