@@ -143,7 +143,8 @@ def main():
     except (dist.DistNetworkError, dist.DistStoreError) as err:  # the two usual failures, in one line each
         why = ("Rank 0: is the port taken by another program? Others: is rank 0 running and reachable?"
                if isinstance(err, dist.DistNetworkError) else f"the group did not form within --timeout "
-               f"{args.timeout:g} s: start all {world_size} processes with the same --init-method.")
+               f"{args.timeout:g} s. Start all {world_size} processes with the same --init-method and check that "
+               f"rank 0's address is reachable.")
         sys.exit(f"error: rank {rank} at {args.init_method}: {str(err).splitlines()[0].rstrip('.')}. {why}")
     try:
         # DDP: one process PER NODE prepares the data (another node may not share this file system); a download
