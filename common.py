@@ -346,9 +346,9 @@ def runtime_report(device: torch.device, backend: str | None = None, procs_per_n
 def share_cpu_threads(procs_per_node: int) -> int:
     """Give each of `procs_per_node` CPU processes its share of the cores; return the thread count.
 
-    Every process otherwise starts one thread per core, and N processes fight over the same
-    cores. torchrun sets OMP_NUM_THREADS=1
-    for you; mp.spawn and hand-started processes do not. An OMP_NUM_THREADS you set wins.
+    Every process otherwise starts one thread per core, and N processes fight over the same cores.
+    An OMP_NUM_THREADS already in the environment wins, whether you set it or torchrun did (1 for 2+ workers);
+    mp.spawn and hand-started processes get no such default.
     """
     if "OMP_NUM_THREADS" in os.environ:
         return torch.get_num_threads()

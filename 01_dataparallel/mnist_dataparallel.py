@@ -30,7 +30,7 @@ def train(args, device, rank=0, world_size=1):
     shuffle = torch.Generator()
     sampler = RandomSampler(train_set, generator=shuffle)
     train_loader = common.batch_loader(train_set, args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
-    test_loader = common.batch_loader(test_set, 1000)
+    test_loader = common.batch_loader(test_set, 1000, sampler=range(rank, len(test_set), world_size))
 
     gpus = args.gpus or list(range(common.gpu_count()))  # DP: the GPUs to split over, all visible by default
     device = torch.device("cuda", gpus[0]) if gpus else device  # DP: the model must live on the first of them
@@ -79,7 +79,7 @@ def train(args, device, rank=0, world_size=1):
         correct, samples, loss_sum = totals.tolist()
         common.print0(rank, common.line("epoch", epoch=epoch + 1, epochs=args.epochs, train_loss=loss.item(),
                                         test_loss=loss_sum / samples, test_acc=correct / samples))
-        if rank == 0 and path:  # one writer is enough: under DDP, every rank holds the same weights
+        if rank == 0 and path:
             common.save_checkpoint(path, run, model=model.module.state_dict(),  # DP: plain keys for anyone
                                    optimizer=optimizer.state_dict(),
                                    epoch=epoch + 1, rng=common.rng_state(), device=device.type)

@@ -1,7 +1,8 @@
 """Step 1 of the MNIST chain: one process, one device, no parallelism at all.
 
 The baseline every later step changes a little: the same training, data, checkpoints and printing, so that the
-diff of each step shows only its lesson. Run from the repo root:
+diff of each step shows only its lesson. `rank` and `world_size` are 0 and 1 here: the printing, the test split and
+the checkpoint writer already take them into account, as the DDP steps need. Run from the repo root:
 
     python 01_dataparallel/mnist_single.py                      # CPU, or the first GPU if there is one
     python 01_dataparallel/mnist_single.py --dataset mnist-standin --epochs 1
@@ -29,7 +30,7 @@ def train(args, device, rank=0, world_size=1):
     shuffle = torch.Generator()
     sampler = RandomSampler(train_set, generator=shuffle)
     train_loader = common.batch_loader(train_set, args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
-    test_loader = common.batch_loader(test_set, 1000)
+    test_loader = common.batch_loader(test_set, 1000, sampler=range(rank, len(test_set), world_size))
 
     model = common.ConvNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -71,7 +72,7 @@ def train(args, device, rank=0, world_size=1):
         correct, samples, loss_sum = totals.tolist()
         common.print0(rank, common.line("epoch", epoch=epoch + 1, epochs=args.epochs, train_loss=loss.item(),
                                         test_loss=loss_sum / samples, test_acc=correct / samples))
-        if rank == 0 and path:  # one writer is enough: under DDP, every rank holds the same weights
+        if rank == 0 and path:
             common.save_checkpoint(path, run, model=model.state_dict(), optimizer=optimizer.state_dict(),
                                    epoch=epoch + 1, rng=common.rng_state(), device=device.type)
 

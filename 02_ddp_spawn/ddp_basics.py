@@ -62,9 +62,9 @@ def run_demo(rank, world_size, args):
     finally:
         # DDP wrappers sit in reference cycles and keep the process group alive: free them now, or
         # they are freed during interpreter shutdown, after the group is gone, and the process aborts
-        workarounds.free_ddp_models()
+        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()
-    workarounds.leave()
+    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
 
 
 def one_step(model, device, out_device=None):

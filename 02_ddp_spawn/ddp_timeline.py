@@ -181,7 +181,7 @@ def summarize(steps):
 
 
 def worker(rank, world_size, args):
-    workarounds.stop_with_launcher()
+    workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
     device, backend = common.choose_device(args.device, args.backend, local_rank=rank, procs_per_node=world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -203,9 +203,9 @@ def worker(rank, world_size, args):
             report(args, results, device, backend, world_size)
         dist.barrier()
     finally:
-        workarounds.free_ddp_models()
+        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()
-    workarounds.leave()
+    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
 
 
 def medians(every) -> dict:

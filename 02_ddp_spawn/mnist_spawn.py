@@ -86,7 +86,7 @@ def train(args, device, rank=0, world_size=1):
         correct, samples, loss_sum = totals.tolist()
         common.print0(rank, common.line("epoch", epoch=epoch + 1, epochs=args.epochs, train_loss=loss.item(),
                                         test_loss=loss_sum / samples, test_acc=correct / samples))
-        if rank == 0 and path:  # one writer is enough: under DDP, every rank holds the same weights
+        if rank == 0 and path:  # DDP: one writer is enough, every rank holds the same weights
             common.save_checkpoint(path, run, model=model.module.state_dict(), optimizer=optimizer.state_dict(),
                                    epoch=epoch + 1, rng=common.rng_state(), device=device.type)
 
@@ -120,11 +120,11 @@ def main():
 def main_worker(rank, world_size, args):
     """The life of one process: join the group, train, leave it. mp.spawn passes the rank first."""
     device, backend = common.choose_device(args.device, args.backend, local_rank=rank, procs_per_node=world_size)
-    workarounds.stop_with_launcher()
+    workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
     if device.type == "cuda":
         torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
     else:
-        common.share_cpu_threads(world_size)  # DDP: share the cores; an OMP_NUM_THREADS set by you or torchrun wins
+        common.share_cpu_threads(world_size)  # DDP: share the cores, unless OMP_NUM_THREADS is already set
     timeout, device_id = timedelta(seconds=args.timeout), device if backend == "nccl" else None  # DDP: NCCL binds it
     # DDP: env://, rank 0 listens at MASTER_ADDR:MASTER_PORT and the others connect there
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
@@ -132,9 +132,9 @@ def main_worker(rank, world_size, args):
         train(args, device, rank, world_size)
         dist.barrier()  # DDP: every rank finishes its work before any tears the group down
     finally:
-        workarounds.free_ddp_models()
+        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()  # DDP: leave the group, also after an error
-    workarounds.leave()
+    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
 
 
 if __name__ == "__main__":

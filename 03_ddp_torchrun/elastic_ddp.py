@@ -71,6 +71,6 @@ if __name__ == "__main__":
         train(dist.get_rank(), device)
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        workarounds.free_ddp_models()
+        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()
-    workarounds.leave()
+    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

@@ -91,7 +91,7 @@ def train(args, device, rank=0, world_size=1):
         correct, samples, loss_sum = totals.tolist()
         common.print0(rank, common.line("epoch", epoch=epoch + 1, epochs=args.epochs, train_loss=loss.item(),
                                         test_loss=loss_sum / samples, test_acc=correct / samples))
-        if rank == 0 and path:  # one writer is enough: under DDP, every rank holds the same weights
+        if rank == 0 and path:  # DDP: one writer is enough, every rank holds the same weights
             common.save_checkpoint(path, run, model=model.module.state_dict(), optimizer=optimizer.state_dict(),
                                    epoch=epoch + 1, rng=common.rng_state(), device=device.type)
 
@@ -123,11 +123,11 @@ def main():
     device, backend = common.check_args(parser, args, rank=rank, world_size=world_size, local_rank=local_rank,
                                         procs_per_node=procs_per_node)
     common.print0(rank, common.runtime_report(device, backend, procs_per_node))
-    workarounds.stop_with_launcher()
+    workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
     if device.type == "cuda":
         torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
     else:
-        common.share_cpu_threads(procs_per_node)  # DDP: share the cores; an OMP_NUM_THREADS set by you or torchrun wins
+        common.share_cpu_threads(procs_per_node)  # DDP: share the cores, unless OMP_NUM_THREADS is already set
     timeout, device_id = timedelta(seconds=args.timeout), device if backend == "nccl" else None  # DDP: NCCL binds it
     if workarounds.restarts_possible():  # torchrun --max-restarts: see workarounds.py
         workarounds.join_group_per_attempt(backend, timeout, device_id)
@@ -148,9 +148,9 @@ def main():
     except common.UsageError as err:
         parser.error(str(err))
     finally:
-        workarounds.free_ddp_models()
+        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()  # DDP: leave the group, also after an error
-    workarounds.leave()
+    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
 
 
 if __name__ == "__main__":

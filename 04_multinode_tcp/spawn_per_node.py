@@ -46,7 +46,7 @@ def rank_of(counts: list[int], node: int, local: int) -> int:
 
 def worker(local_rank, counts, args):
     """One process: join the job with its global rank, learn the line with DDP, compare the weights."""
-    workarounds.stop_with_launcher()
+    workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
     rank, world_size = rank_of(counts, args.node_rank, local_rank), sum(counts)
     here = counts[args.node_rank]
     device, backend = common.choose_device(args.device, args.backend, local_rank=local_rank, procs_per_node=here)
@@ -78,9 +78,9 @@ def worker(local_rank, counts, args):
                        f"b={weights[1]:.3f} ranks_agree={agree}")
         dist.barrier()
     finally:
-        workarounds.free_ddp_models()
+        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()
-    workarounds.leave()
+    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
 
 
 def simulate(counts: list[int], args) -> int:

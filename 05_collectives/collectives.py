@@ -180,7 +180,7 @@ def main():
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()
-    workarounds.leave(1 if FAILED else 0)
+    workarounds.leave(1 if FAILED else 0)  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
 
 
 if __name__ == "__main__":

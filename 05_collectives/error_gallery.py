@@ -251,7 +251,7 @@ def run_case(name: str, variant: str) -> None:
         if dist.is_initialized():
             dist.barrier()
     finally:
-        workarounds.free_ddp_models()
+        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -405,5 +405,5 @@ def _shorten(text: str, width: int = 160) -> str:
 if __name__ == "__main__":
     code = main()
     if "RANK" in os.environ:
-        workarounds.leave(code)
+        workarounds.leave(code)  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
     sys.exit(code)

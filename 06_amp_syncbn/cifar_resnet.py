@@ -126,7 +126,7 @@ def main():
     common.print0(rank, common.runtime_report(device, backend, procs_per_node))
     if args.amp == "auto":
         args.amp = "fp16" if device.type == "cuda" else "bf16"
-    workarounds.stop_with_launcher()
+    workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),  # DDP: join the job
@@ -143,10 +143,10 @@ def main():
     except common.UsageError as err:
         parser.error(str(err))
     finally:
-        workarounds.free_ddp_models()
+        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()  # DDP: leave the group, also after an error
 
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()
+    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

@@ -80,10 +80,10 @@ def main():
                             f"equal={d1 < 1e-6 and d2 < 1e-6}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        workarounds.free_ddp_models()
+        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()
+    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
