@@ -80,10 +80,10 @@ def test_a_missing_node_fails_in_seconds_not_minutes(rdzv, data_dir):
 def test_a_missing_rank_fails_every_started_process_with_a_clear_message(data_dir):
     """World size 3, only ranks 0 and 1 started: both fail within the 5 s timeout, naming the problem."""
     port = str(common.free_port())
-    out = run(["bash", "-c", " & ".join(
+    out = run(["bash", "-c", "".join(  # both in the background; `wait PID` gives each one's exit status
         f"{PYTHON} 04_multinode_tcp/mnist_tcp.py --init-method tcp://127.0.0.1:{port} --world-size 3 "
-        f"--rank {r} --timeout 5 {SHORT.format(data_dir).replace('--timeout 60', '')}" for r in (0, 1))
-        + "; wait %1; a=$?; wait %2; b=$?; echo exits $a $b"], timeout=60)
+        f"--rank {r} --timeout 5 {SHORT.format(data_dir).replace('--timeout 60', '')} & p{r}=$!; " for r in (0, 1))
+        + "wait $p0; a=$?; wait $p1; b=$?; echo exits $a $b"], timeout=60)
     assert "exits 1 1" in out.stdout, out.tail()
     assert "the group did not form within --timeout 5 s" in out.stderr
     assert "2/3 clients joined" in out.stderr and "Start all 3 processes" in out.stderr
