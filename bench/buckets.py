@@ -108,7 +108,7 @@ def main(argv=None):
             report(args, cfg, device, backend, list(runners), rounds, buckets)
         dist.barrier()
     finally:
-        workarounds.free_ddp_models()
+        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()
 
 
@@ -141,4 +141,4 @@ def report(args, cfg, device, backend, names, rounds, buckets):
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()
+    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

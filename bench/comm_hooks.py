@@ -129,7 +129,7 @@ def main(argv=None):
             report(args, cfg, results, device, backend)
         dist.barrier()
     finally:
-        workarounds.free_ddp_models()
+        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()
 
 
@@ -169,4 +169,4 @@ def report(args, cfg, results, device, backend):
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()
+    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

@@ -128,13 +128,13 @@ def ddp_worker(rank: int, ws: int, cfg: dict, out: str, launched_at: float, init
         del model
         dist.barrier()
     finally:
-        workarounds.free_ddp_models()
+        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()
 
 
 def spawn_entry(rank, ws, cfg, out, launched_at, port):
     ddp_worker(rank, ws, cfg, out, launched_at, f"tcp://127.0.0.1:{port}")
-    workarounds.leave()
+    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
 
 
 def run_spawn(ws: int, cfg: dict, tmp: str) -> dict:
@@ -295,7 +295,7 @@ def main(argv=None):
             per_round = benchlib.run_rounds({n: fn for n, (_, fn) in variants.items()}, args.rounds)
         torch.set_num_threads(cores)
     finally:
-        workarounds.free_ddp_models()
+        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()
     report(args, cfg, device, backend, variants, per_round, world_sizes, note)
 
@@ -339,4 +339,4 @@ def report(args, cfg, device, backend, variants, per_round, world_sizes, note):
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()
+    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
