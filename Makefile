@@ -67,7 +67,7 @@ data: $(STAMP) ## download real MNIST and CIFAR-10 into data/ (needs internet), 
 # fit in memory (about 1 GB each with this torch) are refused before any starts, not killed one by one later
 check-nproc:
 	@case "$(NPROC)" in ''|*[!0-9]*|0) echo "error: NPROC must be a whole number of at least 1 (got '$(NPROC)')" >&2; exit 2;; esac
-	@procs=$(LOCAL_PROCS); cores=$$(nproc 2>/dev/null || echo $$procs); \
+	@procs=$(LOCAL_PROCS); cores=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo $$procs); \
 	  free=$$(awk '/^MemAvailable:/ {print int($$2 / 1024)}' /proc/meminfo 2>/dev/null); free=$${free:-0}; \
 	  if [ "$$free" -gt 0 ] && [ $$((procs * 1000)) -gt "$$free" ]; then \
 	    echo "error: $$procs processes need about $$procs GB of memory (about 1 GB each) and $$free MB are available; use fewer (NPROC)" >&2; exit 2; fi; \

@@ -35,11 +35,16 @@ from tqdm import tqdm
 # --------------------------------------------------------------------------- command line
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with a mistake reported in one line (no usage block), and once per job.
+class UsageError(ValueError):
+    """A request that cannot work; the message says what to do instead."""
 
-    Under torchrun every process parses the same command line; only rank 0 (or a process started
-    without a launcher) prints the error, and every process exits with code 2.
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a mistake reported in one line (no usage block), and once per node.
+
+    Under torchrun every process parses the same command line; only local rank 0 of each node (or a process
+    started without a launcher) prints the error, and every process exits with code 2. Once per node, not per
+    job: a node's data or checkpoint folder can fail where rank 0's does not, and only that node can say so.
     """
 
     def error(self, message):
@@ -73,12 +78,13 @@ def _unrecognized(message: str) -> list[str]:
 
 
 def _speaks_for_the_job() -> bool:
-    """Rank 0 speaks for everyone; so does a process started alone, or one whose RANK makes no sense."""
+    """Local rank 0 speaks for its node (rank 0 for the job); so does a process started alone, or one whose RANK
+    makes no sense."""
     try:
         rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         return True
-    return rank == 0 or not 0 <= rank < size
+    return rank == 0 or os.environ.get("LOCAL_RANK") == "0" or not 0 <= rank < size
 
 
 def training_parser(doc: str, *, amp: bool = False, **defaults) -> ArgumentParser:
@@ -134,6 +140,7 @@ def add_common_args(parser: argparse.ArgumentParser, *, family: str = "mnist", e
 
     Their types check the numbers, so that `--lr nan` or `--epochs -1` end in one line of argparse.
     """
+    parser.family = family  # check_args prepares this family's data under COURSE_CHECK_ONLY=1
     choices = MNIST_DATASETS if family == "mnist" else CIFAR_DATASETS
     parser.add_argument("--epochs", "-e", type=positive_int, default=epochs,
                         help="passes over the training set (default %(default)s)")
@@ -216,35 +223,38 @@ def check_args(parser: argparse.ArgumentParser, args, *, rank: int = 0, world_si
         placed = choose_device(args.device, getattr(args, "backend", None), local_rank=local_rank,
                                procs_per_node=procs_per_node)
         if os.environ.get("COURSE_CHECK_ONLY") == "1":
-            family = "cifar10" if "cifar10" in _dataset_choices(parser) else "mnist"
-            prepare_data(args.dataset, args.data_dir, family=family)
+            prepare_data(args.dataset, args.data_dir, family=getattr(parser, "family", "mnist"))
             parser.exit(0)
         return placed
     except UsageError as err:
         parser.error(str(err))
 
 
+def _check_checkpoint_dir(folder: Path) -> None:
+    """Make the checkpoint folder, or say in one line why it cannot be written (before any training)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--checkpoint-dir {folder} cannot be created: {err.strerror or err}") from None
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--checkpoint-dir {folder} is not a writable folder")
+
+
 def _check_init_method(init_method: str) -> None:
     """tcp://HOST:PORT, or file:// of a new file in a writable folder: anything else fails later, or hangs."""
-    if not init_method.startswith(("tcp://", "file://")):
+    if init_method.startswith("tcp://"):
+        return
+    if not init_method.startswith("file://"):
         raise UsageError("--init-method must be tcp://HOST:PORT (rank 0's address) or file://PATH (a new file)")
     path = Path(init_method[len("file://"):])
-    if init_method.startswith("file://") and (not path.parent.is_dir() or not os.access(path.parent, os.W_OK)):
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
         raise UsageError(f"{init_method}: the folder {path.parent} does not exist or is not writable")
-    if init_method.startswith("file://") and path.exists() and time.time() - path.stat().st_mtime > 60:
+    if path.exists() and time.time() - path.stat().st_mtime > 60:
         raise UsageError(f"{init_method} already exists, left by an earlier job: a file:// path must be new for "
                          f"every job (delete it or pick another name)")
 
 
-def _dataset_choices(parser: argparse.ArgumentParser) -> tuple:
-    return next((a.choices for a in parser._actions if a.dest == "dataset"), ())
-
-
 # --------------------------------------------------------------------------- devices
-
-
-class UsageError(ValueError):
-    """A request that cannot work; the message says what to do instead."""
 
 
 def gpu_count() -> int:
@@ -371,6 +381,8 @@ STANDIN_SUBDIR = "standin"  # the offline stand-ins live in DATA_DIR/standin (st
 
 CIFAR_STANDIN_FOLDER = "cifar-10-standin-py"
 
+STANDIN_MANIFEST = "MANIFEST.json"  # each stand-in folder: its files and their sizes, written last
+
 REAL_FILES = {"mnist": [f"MNIST/raw/{split}-{kind}" for split in ("train", "t10k")
                          for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")],
               "cifar10": [f"cifar-10-batches-py/{name}" for name in
@@ -395,10 +407,12 @@ def prepare_data(dataset: str, data_dir, family: str = "mnist", quiet: bool = Fa
         if not _missing_real(family, data_dir):
             return family
         _check_writable(data_dir, f"the {family} data")
-        reason = _recent_download_failure(family, data_dir) or try_download(family, data_dir, quiet=True)
+        reason = _recent_download_failure(family, data_dir)
         if reason is None:
-            return family
-        _remember_download_failure(family, data_dir, reason)
+            reason = try_download(family, data_dir, quiet=True)
+            if reason is None:
+                return family
+            _remember_download_failure(family, data_dir, reason)
         if not quiet:
             say(f"NOTE: using the offline {family} STAND-IN, not the real data set ({family} not in {data_dir} "
                 f"and the download failed: {reason}). With internet, run `make data` once for the real one.")
@@ -483,7 +497,7 @@ def _standin_damage(family: str, data_dir) -> str | None:
     """None when the stand-in is complete; else what is wrong with it ("not generated yet", a file's size...)."""
     folder = _standin_folder(family, data_dir)
     try:
-        sizes = json.loads((folder / "MANIFEST.json").read_text())
+        sizes = json.loads((folder / STANDIN_MANIFEST).read_text())
     except (OSError, ValueError):
         return "not generated yet" if not folder.exists() else "incomplete: no manifest"
     for name, size in sizes.items():
@@ -523,8 +537,6 @@ def _recent_download_failure(family: str, data_dir) -> str | None:
 
 
 def _remember_download_failure(family: str, data_dir, reason: str) -> None:
-    if "not retried" in reason:
-        return
     try:
         atomic_write_bytes(reason.encode(), _failure_note(family, data_dir))
     except OSError:
@@ -677,16 +689,6 @@ def load_checkpoint(path) -> dict:
                          f"it is: move it away, or use another --checkpoint-dir, to start over") from None
 
 
-def _check_checkpoint_dir(folder: Path) -> None:
-    """Make the checkpoint folder, or say in one line why it cannot be written (before any training)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UsageError(f"--checkpoint-dir {folder} cannot be created: {err.strerror or err}") from None
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"--checkpoint-dir {folder} is not a writable folder")
-
-
 def save_checkpoint(path: Path, run: dict, **state) -> Path:
     """atomic_save of `state`, with what the run is (see resume_state) and which process wrote it."""
     return atomic_save({"run": run, "writer": _this_process(), **state}, path)
@@ -814,8 +816,8 @@ def evaluate(model: nn.Module, loader, device) -> torch.Tensor:
 def final_line(*, test_acc: float, test_samples: int, world_size: int, epochs: int, seconds: float,
                dataset: str, **extra) -> str:
     """The summary every training script prints last, on rank 0; tests parse it."""
-    return (f"final: test_acc={test_acc:.4f} test_samples={test_samples} world_size={world_size} epochs={epochs} "
-            f"seconds={seconds:.1f} dataset={dataset}" + (" " + line("", **extra)[2:] if extra else ""))
+    return line("final", test_acc=float(test_acc), test_samples=test_samples, world_size=world_size, epochs=epochs,
+                seconds=f"{seconds:.1f}", dataset=dataset, **extra)
 
 
 def weights_digest(model: nn.Module) -> str:

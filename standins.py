@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import CIFAR_STANDIN_FOLDER, atomic_write_bytes
+from common import CIFAR_STANDIN_FOLDER, STANDIN_MANIFEST, atomic_write_bytes
 
 STANDIN_SIZES = {"mnist": (24000, 4000), "cifar10": (10000, 2000)}  # (train, test) images
 
@@ -169,10 +169,7 @@ def write_cifar_standin(root, sizes=None, seed: int = 4321) -> Path:
     return folder
 
 
-MANIFEST = "MANIFEST.json"
-
-
 def write_manifest(folder: Path) -> Path:
     """List every file of a stand-in with its size, last: a complete manifest means a complete write."""
-    sizes = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.name != MANIFEST and p.is_file()}
-    return atomic_write_bytes((json.dumps(sizes, indent=1) + "\n").encode(), folder / MANIFEST)
+    sizes = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.name != STANDIN_MANIFEST and p.is_file()}
+    return atomic_write_bytes((json.dumps(sizes, indent=1) + "\n").encode(), folder / STANDIN_MANIFEST)

@@ -61,9 +61,6 @@ def join_group_per_attempt(backend: str, timeout: timedelta, device_id: torch.de
     its own keys. Needed: only when torchrun may restart the workers (TORCHELASTIC_MAX_RESTARTS > 0); the plain
     init_process_group is used otherwise. Costs: nothing measurable.
     """
-    if not enabled():
-        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
-        return
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -72,8 +69,9 @@ def join_group_per_attempt(backend: str, timeout: timedelta, device_id: torch.de
 
 
 def restarts_possible() -> bool:
-    """Did torchrun start us with --max-restarts above 0?"""
-    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    """Does this process need join_group_per_attempt: did torchrun start it with --max-restarts above 0 (and the
+    workarounds are on)?"""
+    return enabled() and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
 
 
 def stop_with_launcher() -> None:

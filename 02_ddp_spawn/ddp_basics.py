@@ -60,8 +60,6 @@ def run_demo(rank, world_size, args):
         DEMOS[args.demo](rank, world_size, device, args)
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        # DDP wrappers sit in reference cycles and keep the process group alive: free them now, or
-        # they are freed during interpreter shutdown, after the group is gone, and the process aborts
         workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()
     workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

@@ -85,8 +85,6 @@ def worker(rank, world_size, args, port):
                 raise SystemExit("DDP did not behave like gradient averaging")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        # The DDP wrappers made above sit in reference cycles; collect them while the group still
-        # exists, or the cycle collector frees them at interpreter exit and the process aborts.
         workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()
     workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

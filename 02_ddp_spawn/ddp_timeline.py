@@ -22,6 +22,7 @@ kernels, the NCCL ones on their own stream. A small model such as the ConvNet fi
 nothing to overlap, and its default and one-bucket timelines look alike.
 """
 
+import contextlib
 import json
 import os
 import statistics
@@ -85,7 +86,7 @@ def one_step(model, optimizer, clock, batches, variant):
     optimizer.zero_grad(set_to_none=True)
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1
-        sync = model.no_sync() if variant == "no-sync" and not last else _nothing()
+        sync = model.no_sync() if variant == "no-sync" and not last else contextlib.nullcontext()
         with sync:
             start = time.perf_counter()
             loss = F.cross_entropy(model(x), y)
@@ -97,14 +98,6 @@ def one_step(model, optimizer, clock, batches, variant):
     start = time.perf_counter()
     optimizer.step()
     clock.phase("optimizer", start)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def measure(model_name, variant, args, device, rank, trace_path):
@@ -225,8 +218,7 @@ def describe(every):
 
 
 def report(args, results, device, backend, world_size):
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.output_dir)  # main made it before the workers started
     summary = {"config": {"world_size": world_size, "device": device.type, "backend": backend,
                           "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
                           "micro_batches_no_sync": MICRO_BATCHES, "torch": torch.__version__},

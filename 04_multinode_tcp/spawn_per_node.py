@@ -51,9 +51,9 @@ def worker(local_rank, counts, args):
     here = counts[args.node_rank]
     device, backend = common.choose_device(args.device, args.backend, local_rank=local_rank, procs_per_node=here)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
     else:
-        common.share_cpu_threads(here)
+        common.share_cpu_threads(here)  # DDP: share the cores, unless OMP_NUM_THREADS is already set
     # DDP: env://, as the notes do it: every process was told the master's address and port, and its own rank
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
@@ -76,10 +76,10 @@ def worker(local_rank, counts, args):
             agree = all(w == every[0] for w in every)
             common.say(f"result: world_size={world_size} machines={len(counts)} w={weights[0]:.3f} "
                        f"b={weights[1]:.3f} ranks_agree={agree}")
-        dist.barrier()
+        dist.barrier()  # DDP: every rank finishes its work before any tears the group down
     finally:
         workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # DDP: leave the group, also after an error
     workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
 
 

@@ -16,6 +16,7 @@ Started by torchrun with --case and --variant, the script runs one rank of that 
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
@@ -275,7 +276,7 @@ class Launch:
         for rank in range(2):
             env = {"GALLERY_TMP": self.tmp.name, "TQDM_DISABLE": "1", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                   "LOCAL_WORLD_SIZE": "2"}
+                   "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # 4 processes share the cores: 1 thread each
             log = open(Path(self.tmp.name) / f"rank{rank}.log", "w+")
             self.logs.append(log)
             pid = os.fork()
@@ -284,7 +285,7 @@ class Launch:
                 os.dup2(log.fileno(), 1)
                 os.dup2(log.fileno(), 2)
                 os.environ.update(env)
-                torch.set_num_threads(1)  # 4 processes share the cores
+                torch.set_num_threads(1)  # OMP_NUM_THREADS above; share_cpu_threads in run_case leaves it
                 code = 1
                 try:
                     run_case(name, variant)
@@ -333,7 +334,7 @@ def run_both(name: str) -> tuple[Launch, Launch]:
     """The broken and the fixed variant of one case side by side (4 processes: the machine has 2 cores)."""
     broken = Launch(name, "broken", common.free_port())
     fixed = Launch(name, "fixed", common.free_port())
-    while not (broken.poll() & fixed.poll()):
+    while not (broken.poll() & fixed.poll()):  # &, not and: poll both every time
         time.sleep(0.05)
     return broken, fixed
 
@@ -341,8 +342,8 @@ def run_both(name: str) -> tuple[Launch, Launch]:
 def main() -> int:
     parser = common.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated (default: all)")
-    parser.add_argument("--case", choices=sorted(CASES), help=argparse_hidden())
-    parser.add_argument("--variant", choices=("broken", "fixed"), help=argparse_hidden())
+    parser.add_argument("--case", choices=sorted(CASES), help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=("broken", "fixed"), help=argparse.SUPPRESS)
     common.accept_local_rank(parser)
     args = parser.parse_args()
     if args.case:  # a worker started by the driver
@@ -389,12 +390,6 @@ def main() -> int:
     common.say(f"\nresult: {len(rows) - len(failed)} of {len(rows)} cases behave as described"
                + (f"; NOT: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 def _shorten(text: str, width: int = 160) -> str:

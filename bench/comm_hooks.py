@@ -102,6 +102,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         parser.error(f"start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 {__file__}")
+    workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
     local_ws = int(os.environ["LOCAL_WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     device, backend = common.choose_device(local_rank=int(os.environ["LOCAL_RANK"]), procs_per_node=local_ws)

@@ -43,6 +43,9 @@ class Result:
 
 
 TAG = "COURSE_TEST_TAG"
+# every download goes to a proxy that is not there: offline, whether this machine has internet or not
+DEAD_PROXY = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9", "no_proxy": "",
+              "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
 
 
 def tagged_processes(tag: str, group: int | None = None) -> list[int]:
@@ -72,6 +75,16 @@ def kill_tagged(tag: str, group: int | None = None) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def wait_gone(tag: str, seconds: float, group: int | None = None) -> list[int]:
+    """Wait up to `seconds` for the tagged processes to end; stop any left and return their pids."""
+    deadline = time.time() + seconds
+    while tagged_processes(tag, group) and time.time() < deadline:
+        time.sleep(0.2)
+    left = tagged_processes(tag, group)
+    kill_tagged(tag, group)
+    return left
 
 
 def parse_final(text: str) -> dict:
@@ -105,11 +118,7 @@ def run(cmd, *, timeout: float = 180, env: dict | None = None, cwd=REPO, expect_
         raise
     result = Result(cmd, proc.returncode, out, err, time.time() - start, parse_final(out))
 
-    deadline = time.time() + linger
-    while tagged_processes(tag, proc.pid) and time.time() < deadline:
-        time.sleep(0.2)
-    leftovers = tagged_processes(tag, proc.pid)
-    kill_tagged(tag, proc.pid)
+    leftovers = wait_gone(tag, linger, proc.pid)
     assert not timed_out, f"timed out after {timeout} s\n{result.tail()}"
     assert not leftovers, f"processes left behind: {leftovers}\n{result.tail()}"
     if expect_rc is not None:

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 import common
-from harness import PYTHON, REPO, TAG, TORCHRUN, check_shards, kill_tagged, make, python, run
+from harness import PYTHON, REPO, TAG, TORCHRUN, check_shards, kill_tagged, make, python, run, wait_gone
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
 
@@ -75,9 +75,11 @@ def test_two_standalone_jobs_at_once_do_not_collide():
              for tag in tags]
     try:
         outputs = [p.communicate(timeout=120)[0] for p in procs]
+        left = [pid for tag in tags for pid in wait_gone(tag, 10)]
     finally:
         for tag in tags:
             kill_tagged(tag)
+    assert not left, f"processes left behind after both jobs ended: {left}"
     backend = common.choose_device(procs_per_node=2)[1]  # nccl on a machine with 2 GPUs
     for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 0, out

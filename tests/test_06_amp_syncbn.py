@@ -1,7 +1,6 @@
 """Section 06: mixed precision, SyncBatchNorm, gradient accumulation, CIFAR-10 ResNet-18."""
 
 import re
-import sys
 
 import pytest
 import torch
@@ -98,8 +97,8 @@ def test_cifar_resnet_short_run_with_accumulation(tmp_path):
     assert (group["momentum"], group["weight_decay"]) == (0.9, 5e-4)
 
 
-def test_augment_cifar_crops_and_flips_whole_batches():
-    sys.path.insert(0, str(REPO / "06_amp_syncbn"))
+def test_augment_cifar_crops_and_flips_whole_batches(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "06_amp_syncbn"))
     from cifar_resnet import augment_cifar
 
     x = torch.arange(2 * 3 * 32 * 32, dtype=torch.float32).view(2, 3, 32, 32)

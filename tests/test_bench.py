@@ -105,6 +105,8 @@ def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, da
         assert full > 0 and all(hooks["results"][f"{model}/{h}"]["mb_per_step"] == full / 2 for h in ("fp16", "bf16"))
         assert all(math.isfinite(r["final_loss"]) and r["images_per_s"] > 0 for r in hooks["results"].values())
     assert 0 < hooks["results"]["convnet/powersgd"]["test_acc"] <= 1
+    # quick: 4 ConvNet steps, PowerSGD compresses from the third on, so it must have sent fewer bytes in all
+    assert hooks["results"]["convnet/powersgd"]["mb_per_step"] < hooks["results"]["convnet/all_reduce"]["mb_per_step"]
 
     sweep = json.loads(next(out.glob("allreduce_sweep_*.json")).read_text())
     ops = {row["op"] for row in sweep["rows"]}

@@ -566,8 +566,9 @@ def test_each_cpu_process_gets_its_share_of_the_cores_unless_omp_num_threads_is_
         cores = len(os.sched_getaffinity(0))
         assert common.share_cpu_threads(2) == max(1, cores // 2) == torch.get_num_threads()
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        torch.set_num_threads(before)
-        assert common.share_cpu_threads(2) == before == torch.get_num_threads()  # the user's setting wins
+        mine = max(1, cores // 2) + 1  # a count share_cpu_threads would never choose
+        torch.set_num_threads(mine)
+        assert common.share_cpu_threads(2) == mine == torch.get_num_threads()  # the user's setting wins
     finally:
         torch.set_num_threads(before)
 
@@ -581,10 +582,12 @@ def test_rng_state_must_be_a_cpu_byte_tensor():
         torch.set_rng_state(torch.zeros(8))
 
 
-@pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True)])
-def test_the_per_attempt_store_is_used_only_when_torchrun_may_restart(monkeypatch, value, expected):
+@pytest.mark.parametrize("value, switch, expected",
+                         [(None, "on", False), ("0", "on", False), ("1", "on", True), ("1", "off", False)])
+def test_the_per_attempt_store_is_used_only_when_torchrun_may_restart(monkeypatch, value, switch, expected):
     import workarounds
 
+    monkeypatch.setenv("COURSE_WORKAROUNDS", switch)  # off: the stress target's plain init_process_group
     if value is None:
         monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
     else:
@@ -619,3 +622,14 @@ def test_the_progress_bar_is_rank_0s_on_stderr_and_tqdm_disable_turns_it_off(mon
     res = subprocess.run([PYTHON, "-c", code], env={**os.environ, "TQDM_DISABLE": "1"}, capture_output=True,
                          text=True, timeout=120)  # tqdm reads TQDM_* when it is imported
     assert res.stdout.split() == ["True", "[1,", "2,", "3]"] and "0/3" not in res.stderr, res
+
+
+@pytest.mark.parametrize("rank, local_rank, speaks", [("0", "0", True), ("2", "0", True), ("3", "1", False)])
+def test_a_mistake_is_said_by_local_rank_0_of_each_node_only(monkeypatch, capsys, rank, local_rank, speaks):
+    """Node 1's data or checkpoint folder can fail where rank 0's does not: its local rank 0 says so."""
+    for name, value in (("RANK", rank), ("LOCAL_RANK", local_rank), ("WORLD_SIZE", "4")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as ended:
+        common.training_parser("A script.").error("--data-dir /x is not writable")
+    assert ended.value.code == 2
+    assert ("error: --data-dir /x is not writable" in capsys.readouterr().err) is speaks

@@ -11,11 +11,9 @@ import time
 import pytest
 
 import common
-from harness import REPO, TAG, TORCHRUN, kill_tagged, make, python, run, tagged_processes
+from harness import DEAD_PROXY, REPO, TAG, TORCHRUN, kill_tagged, make, python, run, wait_gone
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
-DEAD_PROXY = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9", "no_proxy": "",
-              "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
 
 
 def one_line(stderr: str) -> str:
@@ -103,15 +101,6 @@ def start_tagged(cmd, tag, wait_for: str, timeout: float = 60) -> subprocess.Pop
     raise AssertionError(f"never saw {wait_for!r}:\n{seen[-3000:]}")
 
 
-def gone_within(tag: str, seconds: float) -> list[int]:
-    deadline = time.time() + seconds
-    while tagged_processes(tag) and time.time() < deadline:
-        time.sleep(0.2)
-    left = tagged_processes(tag)
-    kill_tagged(tag)
-    return left
-
-
 @pytest.mark.slow
 def test_killing_make_stops_the_launcher_and_every_rank(data_dir):
     tag = f"kill-make-{os.getpid()}"
@@ -119,7 +108,7 @@ def test_killing_make_stops_the_launcher_and_every_rank(data_dir):
                          "ARGS=--epochs 5 " + STANDIN.format(data_dir)], tag, "joined via tcp")
     proc.send_signal(signal.SIGKILL)  # make alone: its children are not told
     proc.wait(timeout=10)
-    assert gone_within(tag, 10) == [], "the launcher script and the ranks must notice and stop"
+    assert wait_gone(tag, 10) == [], "the launcher script and the ranks must notice and stop"
 
 
 @pytest.mark.slow
@@ -129,7 +118,7 @@ def test_killing_torchrun_with_sigkill_stops_its_workers(data_dir):
                          "--epochs", "5", *STANDIN.format(data_dir).split()], tag, "torchrun gave")
     proc.send_signal(signal.SIGKILL)  # the agent cannot clean up: the workers must notice (workarounds.py)
     proc.wait(timeout=10)
-    assert gone_within(tag, 10) == []
+    assert wait_gone(tag, 10) == []
 
 
 @pytest.mark.slow

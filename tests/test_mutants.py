@@ -21,6 +21,7 @@ def test_the_recorded_run_caught_every_mutation():
     records = sorted((REPO / "bench/results").glob("mutants_*.json"))
     assert records, "run `make mutants` and commit bench/results/mutants_<date>.json"
     record = json.loads(records[-1].read_text())
+    assert record.get("sources") == mutants.sources(), "stale: the script or its tests changed since; run make mutants"
     assert record["unchanged"]["exit_code"] == 0, "the tests must pass on the unchanged script"
     assert set(record["mutants"]) == set(mutants.MUTANTS), "the record must cover every mutation"
     for name, result in record["mutants"].items():

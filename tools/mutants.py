@@ -8,12 +8,14 @@ Each mutation replaces one piece of 02_ddp_spawn/mnist_spawn.py (the sampler, se
 evaluation all_reduce, the buffer broadcast before evaluation) in a copy of the repository, then runs the tests
 that guard it there. First the same tests run on the unchanged copy, which must pass. A mutation is "caught" when
 at least one of its tests fails; the record (bench/results/mutants_<date>.json and .md unless --output-dir says
-otherwise) lists what failed and the assertion that said so. Exit code 1 if a mutation survives.
+otherwise) lists what failed and the assertion that said so, and the sha256 of the script and its tests: the
+test of the record fails once either changes, until `make mutants` runs again. Exit code 1 if a mutation survives.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import shutil
@@ -57,6 +59,12 @@ def copy_repo(dest: Path) -> None:
     (dest / ".venv").symlink_to(REPO / ".venv")
 
 
+def sources() -> dict:
+    """sha256 of the mutated script and of the test files that guard it: a record is current only for these."""
+    files = [SCRIPT] + sorted({t.split("::")[0] for m in MUTANTS.values() for t in m[3]})
+    return {name: hashlib.sha256((REPO / name).read_bytes()).hexdigest() for name in files}
+
+
 def run_tests(where: Path, tests: list[str]) -> dict:
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=where,
@@ -78,7 +86,7 @@ def main() -> int:
     names = args.only.split(",") if args.only else list(MUTANTS)
     if set(names) - set(MUTANTS):
         parser.error(f"--only: unknown {sorted(set(names) - set(MUTANTS))}; choose from {', '.join(MUTANTS)}")
-    record = {"script": SCRIPT, "date": time.strftime("%Y-%m-%d %H:%M"), "mutants": {}}
+    record = {"script": SCRIPT, "date": time.strftime("%Y-%m-%d %H:%M"), "sources": sources(), "mutants": {}}
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
         copy = Path(tmp)
         copy_repo(copy)
