@@ -28,7 +28,7 @@ DIST_ARGS  := $(if $(BACKEND),--backend $(BACKEND)) $(TRAIN_ARGS)
 LOCAL_PROCS = $(NPROC)
 comma := ,
 # One process checks the arguments and prepares the data before torchrun starts NPROC of them, so that a mistake
-# is one line instead of one error per process followed by torchrun's failure summary (see common.check_args).
+# is one line instead of one error per process followed by torchrun's failure summary (see course.check_args).
 CHECK = COURSE_CHECK_ONLY=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=$(NPROC) LOCAL_WORLD_SIZE=$(NPROC) $(PY)
 
 .DEFAULT_GOAL := help
@@ -60,7 +60,7 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-dev.lock pyproject.
 setup: $(STAMP) ## create .venv and install the pinned dependencies (once; idempotent)
 
 data: $(STAMP) ## download real MNIST and CIFAR-10 into data/ (needs internet), and write the offline stand-ins
-	$(PY) -c 'import common; [print(n, "->", common.try_download(n, "data") or "ok") for n in ("mnist", "cifar10")]'
+	$(PY) -c 'from tools import data; [print(n, "->", data.try_download(n, "data") or "ok") for n in ("mnist", "cifar10")]'
 	$(PY) -c 'import common; [common.prepare_data(n, "data") for n in ("mnist-standin", "cifar10-standin")]'
 
 # NPROC must be a number; processes beyond the cores are slower, not faster (a warning); processes that cannot

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import common
+from tools import course
 
 
 class RandomDataset(Dataset):
@@ -58,19 +59,19 @@ class ShapeModel(nn.Module):
         out = self.fc(x)
         where = f"cuda:{x.device.index}" if x.is_cuda else "cpu"
         # one write per line: DataParallel runs the replicas in threads, and print() could interleave them
-        common.say(f"    In Model on {where}: input size {list(x.shape)} output size {list(out.shape)}")
+        course.say(f"    In Model on {where}: input size {list(x.shape)} output size {list(out.shape)}")
         return out
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=None,
                         help="how many GPUs to split over (default: all visible; on CPU: 2, simulated)")
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=30)
     parser.add_argument("--loss-inside", action="store_true", help="the model returns its loss (see above)")
     args = parser.parse_args()
-    visible = common.gpu_count()
+    visible = course.gpu_count()
     if args.gpus is not None and args.gpus < 1:
         parser.error("--gpus must be at least 1")
     n = args.gpus or max(visible, 2)  # by default all GPUs, and at least the 2 that make a split worth seeing

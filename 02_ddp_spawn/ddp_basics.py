@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+from tools import course
 import workarounds
 
 
@@ -48,11 +49,11 @@ def run_demo(rank, world_size, args):
     if args.demo == "model-parallel":  # two GPUs per process: this one's first is 2 * rank
         device = torch.device("cuda", 2 * rank) if args.device == "cuda" else torch.device("cpu")
     else:
-        device, _ = common.choose_device(args.device, args.backend, local_rank=rank, procs_per_node=world_size)
+        device, _ = course.choose_device(args.device, args.backend, local_rank=rank, procs_per_node=world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this process's GPU, before anything touches CUDA
     else:
-        common.share_cpu_threads(world_size)
+        course.share_cpu_threads(world_size)
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=args.timeout),
                             device_id=device if args.backend == "nccl" else None)
@@ -85,42 +86,42 @@ def same_on_all_ranks(model, device) -> bool:
 
 
 def demo_basic(rank, world_size, device, args):
-    common.say(f"rank {rank}/{world_size}: running the basic DDP example on {device}")
+    course.say(f"rank {rank}/{world_size}: running the basic DDP example on {device}")
     model = DDP(common.ToyModel().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     one_step(model, device)  # every rank feeds different random data...
     same = same_on_all_ranks(model, device)  # ...and still ends with the same weights
-    common.print0(rank, f"after one step on different data, all {world_size} ranks hold the same weights: {same}")
+    course.print0(rank, f"after one step on different data, all {world_size} ranks hold the same weights: {same}")
 
 
 def demo_checkpoint(rank, world_size, device, args):
     model = DDP(common.ToyModel().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     path = os.path.join(args.workdir, "toy.pt")
     if rank == 0:  # the weights are the same everywhere, so one process saves them
-        common.atomic_save(model.module.state_dict(), path)
-        common.say(f"rank 0 saved {path}")
+        course.atomic_save(model.module.state_dict(), path)
+        course.say(f"rank 0 saved {path}")
     dist.barrier()  # nobody reads before rank 0 has finished writing
     # the file says "cuda:0" (where rank 0 saved it); map it to this rank's device
     map_location = {"cuda:0": str(device)} if device.type == "cuda" else "cpu"
     model.module.load_state_dict(torch.load(path, map_location=map_location, weights_only=True))
-    common.say(f"rank {rank} loaded the checkpoint (weights_only=True, map_location={map_location})")
+    course.say(f"rank {rank} loaded the checkpoint (weights_only=True, map_location={map_location})")
     one_step(model, device)
     same = same_on_all_ranks(model, device)
     dist.barrier()  # every rank has read the file before it is removed
     if rank == 0:
         os.remove(path)
-    common.print0(rank, f"after loading and one more step, all ranks hold the same weights: {same}")
+    course.print0(rank, f"after loading and one more step, all ranks hold the same weights: {same}")
 
 
 def demo_model_parallel(rank, world_size, device, args):
     dev0, dev1 = (device, torch.device("cuda", device.index + 1)) if device.type == "cuda" else (device, device)
     if device.type == "cpu":
-        common.print0(rank, f"model parallel wants 2 GPUs per process ({2 * world_size} in all): here both halves "
+        course.print0(rank, f"model parallel wants 2 GPUs per process ({2 * world_size} in all): here both halves "
                             f"run on the CPU; the code path is the same")
     model = DDP(ToyMpModel(dev0, dev1))  # no device_ids for a model that spans several devices
     one_step(model, dev0, out_device=dev1)  # outputs come out on dev1
     same = same_on_all_ranks(model, dev0)
-    common.say(f"rank {rank}: net1 on {dev0}, net2 on {dev1}")
-    common.print0(rank, f"model parallel inside, data parallel across: ranks agree: {same}")
+    course.say(f"rank {rank}: net1 on {dev0}, net2 on {dev1}")
+    course.print0(rank, f"model parallel inside, data parallel across: ranks agree: {same}")
 
 
 def demo_fail(rank, world_size, device, args):
@@ -134,12 +135,12 @@ DEMOS = {"basic": demo_basic, "checkpoint": demo_checkpoint, "model-parallel": d
 def model_parallel_placement(device: str, backend: str, nproc: int) -> tuple[str, str]:
     """Model parallelism inside each process wants 2 GPUs per process: CUDA + NCCL with 2 x nproc GPUs,
     otherwise both halves on the CPU with Gloo (the same code path)."""
-    gpus = common.gpu_count()
+    gpus = course.gpu_count()
     if gpus >= 2 * nproc and device != "cpu":
         return "cuda", "gloo" if backend == "gloo" else "nccl"
     if device == "cuda" or backend == "nccl":
         fewer = f"use --nproc {gpus // 2}, or " if gpus >= 4 else ""
-        raise common.UsageError(f"model parallel needs 2 GPUs per process: {2 * nproc} for --nproc {nproc}, "
+        raise course.UsageError(f"model parallel needs 2 GPUs per process: {2 * nproc} for --nproc {nproc}, "
                                 f"{gpus} here; {fewer}drop --device/--backend to run both halves on the CPU")
     return "cpu", "gloo"  # runtime_report says why, in a NOTE
 
@@ -155,11 +156,11 @@ def start_with_process(fn, world_size, args):
     failed = [rank for rank, p in enumerate(processes) if p.exitcode != 0]
     if failed:
         sys.exit(f"ranks {failed} failed")
-    common.say(f"mp.Process: {world_size} processes started and joined, all exit codes 0")
+    course.say(f"mp.Process: {world_size} processes started and joined, all exit codes 0")
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("demo", choices=[*DEMOS, "process"])
     parser.add_argument("--nproc", type=int, default=2, help="processes to start (default %(default)s)")
@@ -173,12 +174,12 @@ def main():
         if args.demo == "model-parallel":
             args.device, args.backend = model_parallel_placement(args.device, args.backend, args.nproc)
         else:
-            device, args.backend = common.choose_device(args.device, args.backend, procs_per_node=args.nproc)
+            device, args.backend = course.choose_device(args.device, args.backend, procs_per_node=args.nproc)
             args.device = device.type
-    except common.UsageError as err:
+    except course.UsageError as err:
         parser.error(str(err))
     gpus_each = 2 if args.demo == "model-parallel" else 1
-    common.say(common.runtime_report(torch.device(args.device), args.backend, args.nproc, gpus_each))
+    course.say(course.runtime_report(torch.device(args.device), args.backend, args.nproc, gpus_each))
     args.port = common.free_port()
 
     with tempfile.TemporaryDirectory() as workdir:

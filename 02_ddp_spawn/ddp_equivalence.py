@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+from tools import course
 import workarounds
 
 
@@ -55,7 +56,7 @@ def max_diff(a, b) -> float:
 
 
 def worker(rank, world_size, args, port):
-    common.share_cpu_threads(world_size)
+    course.share_cpu_threads(world_size)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout))
     try:
@@ -91,7 +92,7 @@ def worker(rank, world_size, args, port):
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--per-rank", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=5)

@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import common
+from tools import course
 import workarounds
 
 VARIANTS = {"default": {}, "one-bucket": {"bucket_cap_mb": 10_000}, "no-sync": {}}
@@ -149,7 +150,7 @@ def add_lane(trace_path, steps, marks):
             added.append(_event(f"all-reduce bucket {index} (step {i})", start, end, offset, pid, "allreduce",
                                 bytes=nbytes))
     trace["traceEvents"] = events + added
-    common.atomic_write_bytes(json.dumps(trace).encode(), trace_path)
+    course.atomic_write_bytes(json.dumps(trace).encode(), trace_path)
 
 
 def _event(name, start, end, offset, pid, cat, **extra):
@@ -175,11 +176,11 @@ def summarize(steps):
 
 def worker(rank, world_size, args):
     workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
-    device, backend = common.choose_device(args.device, args.backend, local_rank=rank, procs_per_node=world_size)
+    device, backend = course.choose_device(args.device, args.backend, local_rank=rank, procs_per_node=world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
-        common.share_cpu_threads(world_size)
+        course.share_cpu_threads(world_size)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     try:
@@ -191,7 +192,7 @@ def worker(rank, world_size, args):
                 every = [None] * world_size
                 dist.all_gather_object(every, steps)  # rank 0 draws every rank's lanes
                 results[(model_name, variant)] = every
-                common.print0(rank, f"{model_name:8s} {variant:10s} " + describe(every))
+                course.print0(rank, f"{model_name:8s} {variant:10s} " + describe(every))
         if rank == 0:
             report(args, results, device, backend, world_size)
         dist.barrier()
@@ -232,11 +233,11 @@ def report(args, results, device, backend, world_size):
         lines.append(f"| {model_name} | {variant} | {med['buckets']} | {med['step_s'] * 1e3:.1f} | "
                      f"{med['allreduce_s'] * 1e3:.1f} | {med['hidden_share']:.0%} | "
                      f"{med['backward_wait_s'] * 1e3:.1f} |")
-    common.atomic_write_bytes(json.dumps(summary, indent=1).encode(), out / "timeline.json")
-    common.atomic_write_bytes(("\n".join(lines) + "\n").encode(), out / "timeline.md")
+    course.atomic_write_bytes(json.dumps(summary, indent=1).encode(), out / "timeline.json")
+    course.atomic_write_bytes(("\n".join(lines) + "\n").encode(), out / "timeline.md")
     pngs = [draw(out, model_name, results, summary) for model_name in args.models]
-    common.say("\n".join(lines))
-    common.say(f"written: {out / 'timeline.json'}, {out / 'timeline.md'}, {', '.join(map(str, filter(None, pngs)))}; "
+    course.say("\n".join(lines))
+    course.say(f"written: {out / 'timeline.json'}, {out / 'timeline.md'}, {', '.join(map(str, filter(None, pngs)))}; "
                f"traces in {args.trace_dir}/")
 
 
@@ -244,7 +245,7 @@ def draw(out, model_name, results, summary):
     try:
         import matplotlib
     except ImportError:
-        common.say("matplotlib is not installed: no picture (the numbers are in timeline.json)")
+        course.say("matplotlib is not installed: no picture (the numbers are in timeline.json)")
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -286,17 +287,17 @@ def draw(out, model_name, results, summary):
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=common.positive_int, default=2, help="processes to start")
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=course.positive_int, default=2, help="processes to start")
     parser.add_argument("--models", default="resnet18,convnet", help="comma-separated: resnet18, convnet")
-    parser.add_argument("--batch-size", type=common.positive_int, default=16, help="per rank (and micro-batch)")
-    parser.add_argument("--steps", type=common.positive_int, default=3, help="profiled steps per variant")
-    parser.add_argument("--warmup", type=common.positive_int, default=2, help="steps before profiling")
+    parser.add_argument("--batch-size", type=course.positive_int, default=16, help="per rank (and micro-batch)")
+    parser.add_argument("--steps", type=course.positive_int, default=3, help="profiled steps per variant")
+    parser.add_argument("--warmup", type=course.positive_int, default=2, help="steps before profiling")
     parser.add_argument("--output-dir", default="runs/timeline")
     parser.add_argument("--trace-dir", help="where the Chrome traces go (default: OUTPUT_DIR/traces)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    parser.add_argument("--timeout", type=common.positive_float, default=120.0, help="collective timeout, seconds")
+    parser.add_argument("--timeout", type=course.positive_float, default=120.0, help="collective timeout, seconds")
     args = parser.parse_args()
     args.models = [m for m in args.models.split(",") if m]
     if not args.models or set(args.models) - {"resnet18", "convnet"}:
@@ -307,8 +308,8 @@ def main():
     try:
         for folder in (args.output_dir, args.trace_dir):
             Path(folder).mkdir(parents=True, exist_ok=True)
-        common.choose_device(args.device, args.backend, procs_per_node=args.nproc)  # one-line errors, here
-    except (OSError, common.UsageError) as err:
+        course.choose_device(args.device, args.backend, procs_per_node=args.nproc)  # one-line errors, here
+    except (OSError, course.UsageError) as err:
         parser.error(str(err))
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(common.free_port())
@@ -316,7 +317,7 @@ def main():
     try:
         mp.spawn(worker, args=(args.nproc, args), nprocs=args.nproc, join=True)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-        sys.exit(f"ddp_timeline: a worker failed, all stopped.\n{common.worker_error(err)}")
+        sys.exit(f"ddp_timeline: a worker failed, all stopped.\n{course.worker_error(err)}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+from tools import course
 import workarounds
 
 
@@ -45,15 +46,15 @@ def train(rank, device):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for epoch in range(3):
         sampler.set_epoch(epoch)
-        for numbers in common.progress(loader, rank, desc=f"epoch {epoch + 1}"):  # a bar on rank 0 only
+        for numbers in course.progress(loader, rank, desc=f"epoch {epoch + 1}"):  # a bar on rank 0 only
             x = (numbers / 10_000).unsqueeze(1).to(device)  # inputs in [0, 1)
             loss = nn.functional.mse_loss(model(x), 3 * x - 1)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        common.print0(rank, f"epoch {epoch + 1}: loss={loss.item():.5f}")
+        course.print0(rank, f"epoch {epoch + 1}: loss={loss.item():.5f}")
     weight, bias = model.module.weight.item(), model.module.bias.item()
-    common.print0(rank, f"learned y = {weight:.3f}x {bias:+.3f} (target y = 3x - 1)")
+    course.print0(rank, f"learned y = {weight:.3f}x {bias:+.3f} (target y = 3x - 1)")
 
 
 if __name__ == "__main__":
@@ -62,11 +63,11 @@ if __name__ == "__main__":
                  "03_ddp_torchrun/elastic_ddp.py")
     local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun, like RANK and WORLD_SIZE
     # CUDA + NCCL when the node has a GPU for every worker, else CPU + Gloo
-    device, backend = common.choose_device(local_rank=local_rank, procs_per_node=int(os.environ["LOCAL_WORLD_SIZE"]))
+    device, backend = course.choose_device(local_rank=local_rank, procs_per_node=int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=60), device_id=device if backend == "nccl" else None)
-    common.say(f"start running the basic DDP example on rank {dist.get_rank()} ({device})")
+    course.say(f"start running the basic DDP example on rank {dist.get_rank()} ({device})")
     try:
         train(dist.get_rank(), device)
         dist.barrier()  # every rank finishes its work before any tears the group down

@@ -17,39 +17,40 @@ import torch
 import torch.distributed as dist
 
 import common
+from tools import course
 import workarounds
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the other ranks")
-    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
+    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank, procs_per_node = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     try:
-        device, backend = common.choose_device(args.device, args.backend, local_rank=local_rank,
+        device, backend = course.choose_device(args.device, args.backend, local_rank=local_rank,
                                                procs_per_node=procs_per_node)
-    except common.UsageError as err:
+    except course.UsageError as err:
         parser.error(str(err))
-    common.print0(int(os.environ["RANK"]), common.runtime_report(device, backend, procs_per_node))
+    course.print0(int(os.environ["RANK"]), course.runtime_report(device, backend, procs_per_node))
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
-    common.say(f"[pid {os.getpid()}] initialising the process group ({backend}, timeout {args.timeout:g} s)")
+    course.say(f"[pid {os.getpid()}] initialising the process group ({backend}, timeout {args.timeout:g} s)")
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),  # env:// from torchrun
                             device_id=device if backend == "nccl" else None)  # NCCL: bind this GPU now
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        common.say(f"[pid {os.getpid()}] rank={rank} local_rank={local_rank} world_size={world_size} "
+        course.say(f"[pid {os.getpid()}] rank={rank} local_rank={local_rank} world_size={world_size} "
                    f"backend={dist.get_backend()} device={device} host={socket.gethostname()}")
         total = torch.ones(1, device=device)
         dist.all_reduce(total)  # every rank adds 1: the sum must be the world size
         ok = int(total.item()) == world_size
-        common.print0(rank, f"process group of {world_size} is {'OK' if ok else 'broken'}: "
+        course.print0(rank, f"process group of {world_size} is {'OK' if ok else 'broken'}: "
                             f"all_reduce of ones = {int(total.item())}")
     finally:
         dist.destroy_process_group()

@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+from tools import course
 import workarounds
 
 
@@ -49,16 +50,16 @@ def worker(local_rank, counts, args):
     workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
     rank, world_size = rank_of(counts, args.node_rank, local_rank), sum(counts)
     here = counts[args.node_rank]
-    device, backend = common.choose_device(args.device, args.backend, local_rank=local_rank, procs_per_node=here)
+    device, backend = course.choose_device(args.device, args.backend, local_rank=local_rank, procs_per_node=here)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
     else:
-        common.share_cpu_threads(here)  # DDP: share the cores, unless OMP_NUM_THREADS is already set
+        course.share_cpu_threads(here)  # DDP: share the cores, unless OMP_NUM_THREADS is already set
     # DDP: env://, as the notes do it: every process was told the master's address and port, and its own rank
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     try:
-        common.say(f"rank {rank} = {sum(counts[:args.node_rank])} (processes on the machines before) + local rank "
+        course.say(f"rank {rank} = {sum(counts[:args.node_rank])} (processes on the machines before) + local rank "
                    f"{local_rank}, on machine {args.node_rank}, {device}")
         torch.manual_seed(rank)  # DDP: different samples on every rank; the wrap makes the weights equal
         model = DDP(nn.Linear(1, 1).to(device), device_ids=[device.index] if device.type == "cuda" else None)
@@ -74,7 +75,7 @@ def worker(local_rank, counts, args):
         dist.all_gather_object(every, weights)  # DDP: rank 0 compares everyone's weights
         if rank == 0:
             agree = all(w == every[0] for w in every)
-            common.say(f"result: world_size={world_size} machines={len(counts)} w={weights[0]:.3f} "
+            course.say(f"result: world_size={world_size} machines={len(counts)} w={weights[0]:.3f} "
                        f"b={weights[1]:.3f} ranks_agree={agree}")
         dist.barrier()  # DDP: every rank finishes its work before any tears the group down
     finally:
@@ -97,7 +98,7 @@ def simulate(counts: list[int], args) -> int:
         if gpus and enough:  # this machine's GPUs, numbered from 0 inside it, as on a real one
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[sum(counts[:node]):sum(counts[:node + 1])])
         cmd += ["--device", args.device if enough or not gpus else "cpu"]
-        common.say(f"machine {node}: {' '.join(cmd[1:])}")
+        course.say(f"machine {node}: {' '.join(cmd[1:])}")
         procs.append(subprocess.Popen(cmd, env=env))
     deadline = time.time() + args.timeout + 120
     while any(p.poll() is None for p in procs):
@@ -107,14 +108,14 @@ def simulate(counts: list[int], args) -> int:
                     p.terminate()
             for p in procs:
                 p.wait()
-            common.say("a machine failed (or the job ran too long): stopped the others")
+            course.say("a machine failed (or the job ran too long): stopped the others")
             return 1
         time.sleep(0.1)
     return 0 if all(p.returncode == 0 for p in procs) else 1
 
 
 def _visible_gpus() -> list[str]:
-    count = common.gpu_count()
+    count = course.gpu_count()
     named = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
     return (named or [str(i) for i in range(count)])[:count]
 
@@ -125,30 +126,30 @@ def counts_of(text: str) -> list[int]:
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
-        raise common.UsageError(f"--nproc-per-node: expected whole numbers of at least 1, like 2 or 2,1; got {text!r}")
+        raise course.UsageError(f"--nproc-per-node: expected whole numbers of at least 1, like 2 or 2,1; got {text!r}")
     return counts
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc-per-node", "--nproc_per_node", default="2",
                         help="processes on each machine: one number for all, or a list like 2,1 (default 2)")
-    parser.add_argument("--nnodes", type=common.positive_int, help="machines, when --nproc-per-node is one number")
-    parser.add_argument("--world-size", "--world_size", type=common.positive_int,
+    parser.add_argument("--nnodes", type=course.positive_int, help="machines, when --nproc-per-node is one number")
+    parser.add_argument("--world-size", "--world_size", type=course.positive_int,
                         help="optional: the job's size, checked against the counts (or, with one count, it gives "
                              "the number of machines)")
     parser.add_argument("--node-rank", "--node_rank", type=int, help="this machine's number, 0 .. machines-1")
     parser.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="machine 0's address")
-    parser.add_argument("--master-port", "--master_port", type=common.positive_int, help="a free port on machine 0")
+    parser.add_argument("--master-port", "--master_port", type=course.positive_int, help="a free port on machine 0")
     parser.add_argument("--simulate-nodes", action="store_true", help="run every machine's command here")
-    parser.add_argument("--steps", type=common.positive_int, default=60)
+    parser.add_argument("--steps", type=course.positive_int, default=60)
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    parser.add_argument("--timeout", type=common.positive_float, default=60.0)
+    parser.add_argument("--timeout", type=course.positive_float, default=60.0)
     args = parser.parse_args()
     try:
         counts = counts_of(args.nproc_per_node)
-    except common.UsageError as err:
+    except course.UsageError as err:
         parser.error(str(err))
     if len(counts) == 1:
         nnodes = args.nnodes or (args.world_size // counts[0] if args.world_size else 1)
@@ -163,12 +164,12 @@ def main():
     os.environ["MASTER_ADDR"] = args.master_addr  # DDP: where rank 0 listens; every process of every machine
     os.environ["MASTER_PORT"] = str(args.master_port)
     try:
-        common.choose_device(args.device, args.backend, procs_per_node=counts[args.node_rank])
+        course.choose_device(args.device, args.backend, procs_per_node=counts[args.node_rank])
         mp.spawn(worker, args=(counts, args), nprocs=counts[args.node_rank], join=True)  # this machine's share
-    except common.UsageError as err:
+    except course.UsageError as err:
         parser.error(str(err))
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-        sys.exit(f"spawn_per_node: a worker failed, all stopped here.\n{common.worker_error(err)}")
+        sys.exit(f"spawn_per_node: a worker failed, all stopped here.\n{course.worker_error(err)}")
 
 
 if __name__ == "__main__":

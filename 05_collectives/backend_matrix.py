@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import common
+from tools import course
 import workarounds
 
 DTYPES = (torch.float32, torch.float16, torch.int64)
@@ -94,21 +95,21 @@ def ops(rank, ws, dtype, device, group):
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--output-dir", help="also write the table to DIR/backend_matrix_<backend>_<device>_<date>.md")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per operation")
-    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
+    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process): the two columns of the usual table
-        device, backend = common.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
+        device, backend = course.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
                                                local_rank=local_rank, procs_per_node=local_ws)
-    except common.UsageError as err:
+    except course.UsageError as err:
         parser.error(str(err))
-    common.print0(int(os.environ["RANK"]), common.runtime_report(device, backend, local_ws))
+    course.print0(int(os.environ["RANK"]), course.runtime_report(device, backend, local_ws))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
@@ -138,11 +139,11 @@ def main():
                 claim = STATIC.get((backend, device.type), {}).get(name, "-")
                 lines.append(f"| {name} | {' | '.join(marks[name, d] for d in DTYPES)} | {claim} |")
             text = "\n".join(lines)
-            common.say(text)
+            course.say(text)
             if args.output_dir:
                 name = f"backend_matrix_{backend}_{device.type}_{time.strftime('%Y-%m-%d')}.md"
-                path = common.atomic_write_bytes((text + "\n").encode(), os.path.join(args.output_dir, name))
-                common.say(f"\nwritten to {path}")
+                path = course.atomic_write_bytes((text + "\n").encode(), os.path.join(args.output_dir, name))
+                course.say(f"\nwritten to {path}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()

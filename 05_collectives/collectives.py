@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import common
+from tools import course
 import workarounds
 
 FAILED = []
@@ -35,9 +36,9 @@ def table(rank, title, before, after, expected=None):
     dist.all_gather_object(rows, (_fmt(before), _fmt(after), ok))  # an object collective, used for display
     if rank == 0:
         verdict = "unchecked" if expected is None else ("OK" if all(r[2] for r in rows) else "WRONG")
-        common.say(f"{title}  [{verdict}]")
+        course.say(f"{title}  [{verdict}]")
         for r, (b, a, _) in enumerate(rows):
-            common.say(f"    rank {r}: {b:<28} -> {a}")
+            course.say(f"    rank {r}: {b:<28} -> {a}")
     if not all(row[2] for row in rows):
         FAILED.append(title)
 
@@ -85,7 +86,7 @@ def run_all(rank, ws, device, backend):
     values = [r + 1 for r in range(ws)]  # rank r contributes r + 1
     for name, dtype, fn in reductions:
         if name in UNSUPPORTED.get(backend, ()):
-            common.print0(rank, f"all_reduce({name})  [not supported by {backend}: not run]")
+            course.print0(rank, f"all_reduce({name})  [not supported by {backend}: not run]")
             continue
         x = t(rank + 1, dtype=dtype)
         before = x.clone()
@@ -152,20 +153,20 @@ def run_all(rank, ws, device, backend):
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
-    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
+    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 4 " + __file__)
     local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process): the two paths of the course
-        device, backend = common.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
+        device, backend = course.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
                                                local_rank=local_rank, procs_per_node=local_ws)
-    except common.UsageError as err:
+    except course.UsageError as err:
         parser.error(str(err))
-    common.print0(int(os.environ["RANK"]), common.runtime_report(device, backend, local_ws))
+    course.print0(int(os.environ["RANK"]), course.runtime_report(device, backend, local_ws))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
@@ -174,9 +175,9 @@ def main():
         rank, ws = dist.get_rank(), dist.get_world_size()
         if ws < 2:
             parser.error("needs at least 2 processes: --nproc-per-node 2 or more")
-        common.print0(rank, f"{ws} ranks, backend {backend}, device {device.type}\n")
+        course.print0(rank, f"{ws} ranks, backend {backend}, device {device.type}\n")
         run_all(rank, ws, device, backend)
-        common.print0(rank, f"\nresult: {'all collectives correct' if not FAILED else 'WRONG: ' + ', '.join(FAILED)}")
+        course.print0(rank, f"\nresult: {'all collectives correct' if not FAILED else 'WRONG: ' + ', '.join(FAILED)}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+from tools import course
 import workarounds
 
 
@@ -37,21 +38,21 @@ def train(model, rank, steps, sync_by_hand, device):
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
-    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
+    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process)
-        device, backend = common.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
+        device, backend = course.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
                                                local_rank=local_rank, procs_per_node=local_ws)
-    except common.UsageError as err:
+    except course.UsageError as err:
         parser.error(str(err))
-    common.print0(int(os.environ["RANK"]), common.runtime_report(device, backend, local_ws))
+    course.print0(int(os.environ["RANK"]), course.runtime_report(device, backend, local_ws))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
@@ -76,10 +77,10 @@ def main():
         dist.broadcast(spread, src=0)
         same_everywhere = torch.tensor([float(torch.equal(spread, mine))], device=device)
         dist.all_reduce(same_everywhere, op=dist.ReduceOp.MIN)
-        common.print0(rank, f"{dist.get_world_size()} ranks, {args.steps} SGD steps on different data per rank")
-        common.print0(rank, f"  by hand: weights identical on all ranks: {bool(same_everywhere.item())}")
-        common.print0(rank, f"  by hand vs DistributedDataParallel: max |difference| = {diff.item():.2e}")
-        common.print0(rank, f"result: max_diff={diff.item():.3e} allclose={torch.allclose(mine, theirs, atol=1e-6)}")
+        course.print0(rank, f"{dist.get_world_size()} ranks, {args.steps} SGD steps on different data per rank")
+        course.print0(rank, f"  by hand: weights identical on all ranks: {bool(same_everywhere.item())}")
+        course.print0(rank, f"  by hand vs DistributedDataParallel: max |difference| = {diff.item():.2e}")
+        course.print0(rank, f"result: max_diff={diff.item():.3e} allclose={torch.allclose(mine, theirs, atol=1e-6)}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort

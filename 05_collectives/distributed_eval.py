@@ -22,6 +22,7 @@ from torch.utils.data import Subset
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+from tools import course, data
 import workarounds
 
 
@@ -31,7 +32,7 @@ def quick_model(data_dir, steps=100):
     model = common.ConvNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     train = common.load_dataset("mnist-standin", data_dir, train=True)
-    for step, (x, y) in enumerate(common.batch_loader(train, 64, shuffle=True)):
+    for step, (x, y) in enumerate(course.batch_loader(train, 64, shuffle=True)):
         if step == steps:
             break
         optimizer.zero_grad()
@@ -41,12 +42,12 @@ def quick_model(data_dir, steps=100):
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="a checkpoint from the MNIST chain (default: train 100 steps)")
     parser.add_argument("--data-dir", default="data")
     parser.add_argument("--subset", type=int, default=0, help="evaluate only the first N test images")
     parser.add_argument("--timeout", type=float, default=60.0)
-    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
+    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 3 " + __file__)
@@ -55,9 +56,9 @@ def main():
         rank, ws = dist.get_rank(), dist.get_world_size()
         path = args.checkpoint or os.path.join(args.data_dir, "standin", "distributed_eval_model.pt")
         if rank == 0:
-            common.prepare_data("mnist-standin", args.data_dir, quiet=True)
+            data.prepare("mnist-standin", args.data_dir, quiet=True)
             if not args.checkpoint:
-                common.atomic_save(quick_model(args.data_dir), path)
+                course.atomic_save(quick_model(args.data_dir), path)
         dist.barrier()  # the data and the model exist before anyone reads them
         state = torch.load(path, map_location="cpu", weights_only=True)
         model = common.ConvNet()
@@ -69,9 +70,9 @@ def main():
 
         # the shortcut: DistributedSampler pads to a multiple of the world size
         padded = DistributedSampler(test, num_replicas=ws, rank=rank, shuffle=False)
-        naive = common.evaluate(model, common.batch_loader(test, 500, sampler=padded), "cpu")
+        naive = common.evaluate(model, course.batch_loader(test, 500, sampler=padded), "cpu")
         # exact: disjoint strided shards, nothing repeated, nothing left out
-        exact = common.evaluate(model, common.batch_loader(test, 500, sampler=range(rank, n, ws)), "cpu")
+        exact = common.evaluate(model, course.batch_loader(test, 500, sampler=range(rank, n, ws)), "cpu")
         mine = exact.clone()
 
         dist.all_reduce(naive)             # every rank gets the (wrong) padded totals
@@ -79,20 +80,20 @@ def main():
         rows = [None] * ws
         dist.all_gather_object(rows, (mine[1].item(), exact[1].item()))
         if rank == 0:
-            single = common.evaluate(model, common.batch_loader(test, 500), "cpu")
-            common.say(f"{n} test images, {ws} ranks")
-            common.say(f"  padded DistributedSampler: counted {int(naive[1])} images "
+            single = common.evaluate(model, course.batch_loader(test, 500), "cpu")
+            course.say(f"{n} test images, {ws} ranks")
+            course.say(f"  padded DistributedSampler: counted {int(naive[1])} images "
                        f"({int(naive[1]) - n} counted twice), accuracy {naive[0] / naive[1]:.4f}")
-            common.say(f"  exact shards + reduce:     counted {int(exact[1])} images, "
+            course.say(f"  exact shards + reduce:     counted {int(exact[1])} images, "
                        f"accuracy {exact[0] / exact[1]:.4f}")
-            common.say(f"  single process:            counted {int(single[1])} images, "
+            course.say(f"  single process:            counted {int(single[1])} images, "
                        f"accuracy {single[0] / single[1]:.4f}")
-            common.say("  after dist.reduce(dst=0), what each rank holds as its 'count':")
+            course.say("  after dist.reduce(dst=0), what each rank holds as its 'count':")
             for r, (own, held) in enumerate(rows):
                 note = "the total" if r == 0 else "not the total: only dst gets the result"
-                common.say(f"    rank {r}: own shard {int(own)}, holds {held:g} ({note})")
+                course.say(f"    rank {r}: own shard {int(own)}, holds {held:g} ({note})")
             same = torch.equal(exact[:2], single[:2]) and torch.allclose(exact[2], single[2])
-            common.say(f"result: padded_count={int(naive[1])} exact_count={int(exact[1])} "
+            course.say(f"result: padded_count={int(naive[1])} exact_count={int(exact[1])} "
                        f"exact_equals_single={same}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:

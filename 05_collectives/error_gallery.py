@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+from tools import course
 import workarounds
 
 TIMEOUT = 5.0  # seconds any collective may wait in these demos
@@ -71,7 +72,7 @@ def unused_parameters(rank, variant):
              "static_graph=True": steps(DDP(TwoHeads(), static_graph=True), 20),
              "the model without the unused head": steps(DDP(nn.Sequential(nn.Linear(10, 10), nn.ReLU(),
                                                                            nn.Linear(10, 5))), 20)}
-    common.print0(rank, "fixed three ways, ms per step: " + "; ".join(f"{k} {v:.2f}" for k, v in costs.items()))
+    course.print0(rank, "fixed three ways, ms per step: " + "; ".join(f"{k} {v:.2f}" for k, v in costs.items()))
 
 
 def uneven_inputs(rank, variant):
@@ -93,7 +94,7 @@ def uneven_inputs(rank, variant):
     else:
         with Join([model]):  # ranks that run out of data shadow the others' all-reduces with zeros
             loop()
-        common.print0(rank, "Join: rank 0 ran 3 steps, rank 1 ran 2, and both finished")
+        course.print0(rank, "Join: rank 0 ran 3 steps, rank 1 ran 2, and both finished")
 
 
 def inplace_buffers(rank, variant):
@@ -107,14 +108,14 @@ def inplace_buffers(rank, variant):
     model = DDP(net, forward_sync_buffers=variant == "broken")
     a, b = torch.randn(8, 10), torch.randn(8, 10)
     (model(a).sum() + model(b).sum()).backward()
-    common.print0(rank, f"forward_sync_buffers={variant == 'broken'}: two forwards, one backward, no error")
+    course.print0(rank, f"forward_sync_buffers={variant == 'broken'}: two forwards, one backward, no error")
 
 
 def different_models(rank, variant):
     """Every rank must build the same model; DDP compares them when it wraps."""
     width = 10 if variant == "fixed" or rank == 0 else 12
     DDP(nn.Sequential(nn.Linear(10, width), nn.ReLU(), nn.Linear(width, 5)))
-    common.print0(rank, "every rank built the same model")
+    course.print0(rank, "every rank built the same model")
 
 
 def no_process_group(rank, variant):
@@ -122,7 +123,7 @@ def no_process_group(rank, variant):
     if variant == "fixed":
         dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT))
     dist.all_reduce(torch.ones(1))
-    common.print0(rank, "all_reduce after init_process_group: fine")
+    course.print0(rank, "all_reduce after init_process_group: fine")
 
 
 def after_destroy(rank, variant):
@@ -131,7 +132,7 @@ def after_destroy(rank, variant):
     if variant == "broken":
         dist.destroy_process_group()
     dist.all_reduce(x)
-    common.print0(rank, f"the all_reduce came before destroy_process_group: {x.item():g}")
+    course.print0(rank, f"the all_reduce came before destroy_process_group: {x.item():g}")
 
 
 def racing_checkpoint(rank, variant):
@@ -152,13 +153,13 @@ def racing_checkpoint(rank, variant):
                 dist.barrier()
     else:
         if rank == 0:  # one writer, through a temp file and a rename
-            common.atomic_save(state, path)
+            course.atomic_save(state, path)
         dist.barrier()  # nobody reads before it is written
     loaded = torch.load(path, weights_only=True)  # every rank reads it back
     values = sorted(set(loaded["weights"].tolist()))
     if len(values) > 1:
         raise RuntimeError(f"torn checkpoint: {path} loads, but its weights mix the ranks' writes {values}")
-    common.print0(rank, f"rank 0 wrote, every rank read the weights of rank {loaded['rank']}: all {values[0]:g}")
+    course.print0(rank, f"rank 0 wrote, every rank read the weights of rank {loaded['rank']}: all {values[0]:g}")
 
 
 def _torch_bytes(obj) -> bytes:
@@ -186,7 +187,7 @@ def eval_through_wrapper(rank, variant):
             for x in batches if rank == 0 else []:
                 model.module(x)
         dist.all_reduce(total)
-    common.print0(rank, f"uneven evaluation batches (3 and 1) through the wrapper: fine; metrics {total.item():g}")
+    course.print0(rank, f"uneven evaluation batches (3 and 1) through the wrapper: fine; metrics {total.item():g}")
 
 
 CASES = {  # name: (function, the message of the broken variant (None: it runs in this torch), cause, fix)
@@ -244,7 +245,7 @@ ELSEWHERE = [
 def run_case(name: str, variant: str) -> None:
     """One rank's part of one case."""
     rank = int(os.environ["RANK"])
-    common.share_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
+    course.share_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
     if name != "no-process-group":
         dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT))
     try:
@@ -340,11 +341,11 @@ def run_both(name: str) -> tuple[Launch, Launch]:
 
 
 def main() -> int:
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated (default: all)")
     parser.add_argument("--case", choices=sorted(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--variant", choices=("broken", "fixed"), help=argparse.SUPPRESS)
-    common.accept_local_rank(parser)
+    course.accept_local_rank(parser)
     args = parser.parse_args()
     if args.case:  # a worker started by the driver
         run_case(args.case, args.variant)
@@ -362,32 +363,32 @@ def main() -> int:
         if message is None:  # an error of older torch: in this one, both variants must run
             quoted = "(none: runs in torch " + torch.__version__.split("+")[0] + ")"
             ok = rc_b == 0 and rc_f == 0
-            common.say(f"--- {name}: broken {'RAN (an error of older torch)' if rc_b == 0 else 'FAILED'} "
+            course.say(f"--- {name}: broken {'RAN (an error of older torch)' if rc_b == 0 else 'FAILED'} "
                        f"({sec_b:.0f} s), fixed {'ran' if rc_f == 0 else 'FAILED'} ({sec_f:.0f} s)")
         else:
             said = [ln.split(" ", 1)[1].strip() for ln in out_b.splitlines() if message in ln]
             quoted = next((ln for ln in said if re.match(r"\w+(Error|Exception): ", ln)), said[0] if said else "")
             ok = rc_b != 0 and bool(quoted) and rc_f == 0
-            common.say(f"--- {name}: broken "
+            course.say(f"--- {name}: broken "
                        f"{'failed as it should' if rc_b and quoted else 'DID NOT FAIL AS EXPECTED'}"
                        f" ({sec_b:.0f} s), fixed {'ran' if rc_f == 0 else 'FAILED'} ({sec_f:.0f} s)")
-        common.say(f"    message: {_shorten(quoted or '(not found)')}")
+        course.say(f"    message: {_shorten(quoted or '(not found)')}")
         for line in (ln.split(" ", 1)[1] for ln in out_f.splitlines() if " " in ln):
             if line.startswith(("fixed", "Join", "forward_sync", "every rank", "all_reduce", "the all_reduce",
                                 "rank 0 wrote", "uneven")):
-                common.say(f"    fixed:   {line}")
+                course.say(f"    fixed:   {line}")
         if not ok:
             failed.append(name)
-            common.say("    broken run's output ends:\n" + "\n".join(out_b.splitlines()[-15:]) if not quoted else
+            course.say("    broken run's output ends:\n" + "\n".join(out_b.splitlines()[-15:]) if not quoted else
                        "    fixed run's output ends:\n" + "\n".join(out_f.splitlines()[-15:]))
         rows.append((name, message, cause, fix, sec_b, sec_f))
-    common.say("\n| error | message | cause | fix | seconds (broken, fixed) |\n|---|---|---|---|---|")
+    course.say("\n| error | message | cause | fix | seconds (broken, fixed) |\n|---|---|---|---|---|")
     for name, message, cause, fix, sec_b, sec_f in rows:
         shown = f"`{message}`" if message else f"(runs in torch {torch.__version__.split('+')[0]})"
-        common.say(f"| {name} | {shown} | {cause} | {fix} | {sec_b:.0f}, {sec_f:.0f} |")
+        course.say(f"| {name} | {shown} | {cause} | {fix} | {sec_b:.0f}, {sec_f:.0f} |")
     for message, cause, where in ELSEWHERE:
-        common.say(f"| (elsewhere) | `{message}` | {cause} | see {where} | - |")
-    common.say(f"\nresult: {len(rows) - len(failed)} of {len(rows)} cases behave as described"
+        course.say(f"| (elsewhere) | `{message}` | {cause} | see {where} | - |")
+    course.say(f"\nresult: {len(rows) - len(failed)} of {len(rows)} cases behave as described"
                + (f"; NOT: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

@@ -26,23 +26,24 @@ import torch
 import torch.distributed as dist
 
 import common
+from tools import course
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("mismatch", "straggler"), required=True)
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds any collective may wait")
-    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
+    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process)
-        device, backend = common.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
+        device, backend = course.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
                                                local_rank=local_rank, procs_per_node=local_ws)
-    except common.UsageError as err:
+    except course.UsageError as err:
         parser.error(str(err))
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -51,7 +52,7 @@ def main():
     try:
         rank = dist.get_rank()
         debug = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF")
-        common.print0(rank, f"mode {args.mode}, backend {backend}, TORCH_DISTRIBUTED_DEBUG={debug}, "
+        course.print0(rank, f"mode {args.mode}, backend {backend}, TORCH_DISTRIBUTED_DEBUG={debug}, "
                             f"timeout {args.timeout:g} s")
         if args.mode == "mismatch":
             if rank == 0:  # the bug: a collective inside an `if rank == 0:` block
@@ -64,7 +65,7 @@ def main():
             if rank == 1:
                 time.sleep(3 * args.timeout)  # stuck: a slow disk, a deadlock, an endless loop...
             dist.monitored_barrier(gloo, timeout=timedelta(seconds=args.timeout / 2), wait_all_ranks=True)
-        common.print0(rank, "no error: this should not happen")
+        course.print0(rank, "no error: this should not happen")
     finally:
         dist.destroy_process_group()
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import common
+from tools import course
 import workarounds
 
 
@@ -22,27 +23,27 @@ def show(rank, title, before, after):
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, (before.tolist(), after.tolist()))
     if rank == 0:
-        common.say(title)
+        course.say(title)
         for r, (b, a) in enumerate(rows):
-            common.say(f"    rank {r}: {str(b):<14} -> {a}")
+            course.say(f"    rank {r}: {str(b):<14} -> {a}")
     return rows
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
-    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
+    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process)
-        device, backend = common.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
+        device, backend = course.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
                                                local_rank=local_rank, procs_per_node=local_ws)
-    except common.UsageError as err:
+    except course.UsageError as err:
         parser.error(str(err))
-    common.print0(int(os.environ["RANK"]), common.runtime_report(device, backend, local_ws))
+    course.print0(int(os.environ["RANK"]), course.runtime_report(device, backend, local_ws))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
@@ -82,7 +83,7 @@ def main():
             req.wait()
         rows = show(rank, "ring with batch_isend_irecv: each rank receives from rank - 1", send, recv)
         ok = all(rows[r][1] == [10.0 * ((r - 1) % ws)] for r in range(ws))
-        common.print0(rank, f"result: ring {'correct' if ok else 'WRONG'}")
+        course.print0(rank, f"result: ring {'correct' if ok else 'WRONG'}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()

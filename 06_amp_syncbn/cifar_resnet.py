@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+from tools import course, data
 import workarounds
 
 
@@ -47,8 +48,8 @@ def train(args, device, rank=0, world_size=1):
     test_set = common.load_dataset(args.dataset, args.data_dir, train=False)
     # DDP: each rank its own shard of the training set; exact shards of the test set (see section 02)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    train_loader = common.batch_loader(train_set, args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
-    test_loader = common.batch_loader(test_set, 500, sampler=range(rank, len(test_set), world_size))
+    train_loader = course.batch_loader(train_set, args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
+    test_loader = course.batch_loader(test_set, 500, sampler=range(rank, len(test_set), world_size))
     augment_rng = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own crops and flips
 
     # DDP: rank 0's weights everywhere, gradients averaged in every backward
@@ -59,15 +60,15 @@ def train(args, device, rank=0, world_size=1):
     # a checkpoint in --checkpoint-dir is continued; one of another run is refused, in one line
     path = Path(args.checkpoint_dir) / f"{Path(__file__).stem}.pt" if args.checkpoint_dir else None
     run = {"script": Path(__file__).name, "model": "ResNet-18", "dataset": args.dataset, "amp": args.amp}
-    state, start_epoch = common.resume_state(path, run), 0
+    state, start_epoch = course.resume_state(path, run), 0
     if state:
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         start_epoch = state["epoch"]
-        common.print0(rank, f"resumed from {path} after epoch {start_epoch}{common.use_lr(optimizer, args.lr)}")
+        course.print0(rank, f"resumed from {path} after epoch {start_epoch}{course.use_lr(optimizer, args.lr)}")
 
-    common.print0(rank, f"ResNet-18 on {args.dataset} ({len(train_set)} train / {len(test_set)} test), "
+    course.print0(rank, f"ResNet-18 on {args.dataset} ({len(train_set)} train / {len(test_set)} test), "
                         f"{world_size} processes, batch {args.batch_size} x {args.accum_steps} accumulation "
                         f"per process, amp {args.amp}")
     start, acc, samples = time.time(), None, 0
@@ -75,7 +76,7 @@ def train(args, device, rank=0, world_size=1):
         sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same on every rank
         model.train()
         steps = min(len(train_loader), args.max_steps * args.accum_steps or len(train_loader))
-        for step, (images, labels) in enumerate(common.progress(train_loader, rank, f"epoch {epoch + 1}", steps)):
+        for step, (images, labels) in enumerate(course.progress(train_loader, rank, f"epoch {epoch + 1}", steps)):
             if step == steps:
                 break
             # augment on the device, after the (pinned, non-blocking) copy: no CPU work per batch
@@ -98,32 +99,32 @@ def train(args, device, rank=0, world_size=1):
             totals = common.evaluate(model.module, test_loader, device)
             dist.all_reduce(totals)  # DDP: every rank evaluated its own part: add them up
             acc, samples = totals[0].item() / totals[1].item(), int(totals[1].item())
-            common.print0(rank, common.line("epoch", epoch=epoch + 1, epochs=args.epochs,
+            course.print0(rank, course.line("epoch", epoch=epoch + 1, epochs=args.epochs,
                                             train_loss=loss.item() * args.accum_steps, test_acc=acc))
         if rank == 0 and path:
-            common.save_checkpoint(path, run, model=model.module.state_dict(), optimizer=optimizer.state_dict(),
+            course.save_checkpoint(path, run, model=model.module.state_dict(), optimizer=optimizer.state_dict(),
                                    scaler=scaler.state_dict(), epoch=epoch + 1, device=device.type)
     if acc is not None:
-        common.print0(rank, common.final_line(test_acc=acc, test_samples=samples, world_size=world_size,
+        course.print0(rank, course.final_line(test_acc=acc, test_samples=samples, world_size=world_size,
                                               epochs=args.epochs, seconds=time.time() - start, dataset=args.dataset,
                                               amp=args.amp))
 
 
 @record
 def main():
-    parser = common.training_parser(__doc__, amp=True, family="cifar10", epochs=2, batch_size=32, lr=0.05)
-    parser.add_argument("--accum-steps", type=common.positive_int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--eval-every", type=common.positive_int, default=1,
+    parser = course.training_parser(__doc__, amp=True, family="cifar10", epochs=2, batch_size=32, lr=0.05)
+    parser.add_argument("--accum-steps", type=course.positive_int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--eval-every", type=course.positive_int, default=1,
                         help="evaluate every K epochs (and after the last)")
-    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
+    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error(f"start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 {__file__}")
     rank, world_size, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    device, backend = common.check_args(parser, args, rank=rank, world_size=world_size, local_rank=local_rank,
+    device, backend = course.check_args(parser, args, rank=rank, world_size=world_size, local_rank=local_rank,
                                         procs_per_node=procs_per_node)
-    common.print0(rank, common.runtime_report(device, backend, procs_per_node))
+    course.print0(rank, course.runtime_report(device, backend, procs_per_node))
     if args.amp == "auto":
         args.amp = "fp16" if device.type == "cuda" else "bf16"
     workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
@@ -137,10 +138,10 @@ def main():
         if local_rank == 0:
             args.dataset = common.prepare_data(args.dataset, args.data_dir, family="cifar10")
         dist.barrier(group=data_ready)  # DDP: the others wait here until the data is ready
-        args.dataset = common.resolve_dataset(args.dataset, args.data_dir, family="cifar10")
+        args.dataset = data.resolve_dataset(args.dataset, args.data_dir, family="cifar10")
         train(args, device, rank, world_size)
         dist.barrier()  # DDP: every rank finishes its work before any tears the group down
-    except common.UsageError as err:
+    except course.UsageError as err:
         parser.error(str(err))
     finally:
         workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort

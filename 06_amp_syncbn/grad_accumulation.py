@@ -21,6 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+from tools import course
 import workarounds
 
 
@@ -45,11 +46,11 @@ def accumulated_grads(rank, x, y, accum, use_no_sync):
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accum-steps", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=30.0)
-    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
+    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
@@ -72,11 +73,11 @@ def main():
         big = torch.cat([p.grad.flatten() for p in reference.parameters()])
 
         d1, d2 = (with_no_sync - big).abs().max().item(), (every_step - big).abs().max().item()
-        common.print0(rank, f"{ws} ranks x {args.accum_steps} micro-batches of {args.micro_batch} "
+        course.print0(rank, f"{ws} ranks x {args.accum_steps} micro-batches of {args.micro_batch} "
                             f"vs one batch of {ws * per_rank}:")
-        common.print0(rank, f"  with no_sync:    {calls_no_sync} all-reduce(s), max |grad difference| {d1:.2e}")
-        common.print0(rank, f"  without no_sync: {calls_every} all-reduce(s), max |grad difference| {d2:.2e}")
-        common.print0(rank, f"result: calls_no_sync={calls_no_sync} calls_every_step={calls_every} "
+        course.print0(rank, f"  with no_sync:    {calls_no_sync} all-reduce(s), max |grad difference| {d1:.2e}")
+        course.print0(rank, f"  without no_sync: {calls_every} all-reduce(s), max |grad difference| {d2:.2e}")
+        course.print0(rank, f"result: calls_no_sync={calls_no_sync} calls_every_step={calls_every} "
                             f"equal={d1 < 1e-6 and d2 < 1e-6}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import common
+from tools import course
 import workarounds
 
 
@@ -81,21 +82,21 @@ def convert_batchnorm(module: nn.Module) -> nn.Module:
 
 
 def main():
-    parser = common.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-rank", type=int, default=4, help="samples per rank")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: on GPUs, with nn.SyncBatchNorm compared too (default %(default)s)")
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
-    common.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
+    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     try:
-        device, backend = common.choose_device(args.device, args.backend, local_rank=local_rank,
+        device, backend = course.choose_device(args.device, args.backend, local_rank=local_rank,
                                                procs_per_node=local_ws)
-    except common.UsageError as err:
+    except course.UsageError as err:
         parser.error(str(err))
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -130,20 +131,20 @@ def main():
         local = nn.BatchNorm2d(3).to(device)(x_all[mine])  # plain BatchNorm on the slice, for contrast
         plain = torch.tensor([(local - y_ref[mine]).abs().max().item()], device=device)
         dist.all_reduce(plain, op=dist.ReduceOp.MAX)
-        common.print0(rank, f"{ws} ranks x {args.per_rank} samples vs nn.BatchNorm2d on all {ws * args.per_rank} "
+        course.print0(rank, f"{ws} ranks x {args.per_rank} samples vs nn.BatchNorm2d on all {ws * args.per_rank} "
                             f"({backend}, {device.type}):")
         for key, value in diffs.items():
-            common.print0(rank, f"  {key:<13} max |difference| on rank 0: {value:.2e}")
-        common.print0(rank, f"  plain BatchNorm2d on one rank's slice differs by {plain.item():.2e}")
+            course.print0(rank, f"  {key:<13} max |difference| on rank 0: {value:.2e}")
+        course.print0(rank, f"  plain BatchNorm2d on one rank's slice differs by {plain.item():.2e}")
         result = f"result: max_diff={worst:.3e} plain_diff={plain.item():.3e}"
         ok = worst < 1e-5
         if device.type == "cuda":  # PyTorch's own, which trains on GPUs only
             _, sync_worst = differences(nn.SyncBatchNorm(3).to(device))
-            common.print0(rank, f"  nn.SyncBatchNorm, worst over output, gradient, statistics and ranks: "
+            course.print0(rank, f"  nn.SyncBatchNorm, worst over output, gradient, statistics and ranks: "
                                 f"{sync_worst:.2e}")
             result += f" syncbn_diff={sync_worst:.3e}"
             ok = ok and sync_worst < 1e-5
-        common.print0(rank, f"{result} equal={ok}")
+        course.print0(rank, f"{result} equal={ok}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import benchlib
 import common
+from tools import course
 import workarounds
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -115,8 +116,8 @@ def main():
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank, procs_per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     try:
-        device, backend = common.choose_device(local_rank=local_rank, procs_per_node=procs_per_node)
-    except common.UsageError as err:
+        device, backend = course.choose_device(local_rank=local_rank, procs_per_node=procs_per_node)
+    except course.UsageError as err:
         parser.error(str(err))
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -138,7 +139,7 @@ def main():
             if rank == 0:  # the local limit, measured in every round too, while the other ranks wait
                 copies.append(memcpy_gbps(sizes[-1], device))
             dist.barrier()
-            common.print0(rank, f"round {r + 1}/{rounds} done")
+            course.print0(rank, f"round {r + 1}/{rounds} done")
         limit = statistics.median(copies) if rank == 0 else 0.0
         rows = []
         for op in BUS_FACTOR:
@@ -178,7 +179,7 @@ def report(rows, ring, ws, backend, device, limit, args):
                                [[size_label(r["bytes"]), f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"]
                                 for r in ring])
     text = "\n".join(lines)
-    common.say(text)
+    course.say(text)
     name = benchlib.stem("allreduce_sweep", device, backend, args.quick)
     out = Path(args.output_dir)
     paths = benchlib.write_results(out, name, {"bench": "allreduce_sweep", "machine": machine, "quick": args.quick,
@@ -202,7 +203,7 @@ def report(rows, ring, ws, backend, device, limit, args):
         fig.savefig(out / f"{name}.png", dpi=100)
         plt.close(fig)
         paths.append(out / f"{name}.png")
-    common.say("written: " + ", ".join(str(p) for p in paths))
+    course.say("written: " + ", ".join(str(p) for p in paths))
 
 
 if __name__ == "__main__":

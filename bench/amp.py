@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import benchlib
 import common
+from tools import course
 
 MODELS = {  # name: (builder, input shape, CPU batch, GPU batch, CPU steps, GPU steps)
     "convnet": (common.ConvNet, (1, 28, 28), 64, 512, 150, 100),
@@ -103,8 +104,8 @@ def main(argv=None):
     if args.warmup < 0:
         parser.error("--warmup must be at least 0")
     try:
-        device, _ = common.choose_device(args.device, None)
-    except common.UsageError as err:
+        device, _ = course.choose_device(args.device, None)
+    except course.UsageError as err:
         parser.error(str(err))
     cuda = device.type == "cuda"
     precisions = ["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32", "bf16"]
@@ -118,7 +119,7 @@ def main(argv=None):
     cfg = {"device": device.type, "warmup": args.warmup, "batch": batches, "threads": torch.get_num_threads(),
            "steps": {m: 2 if args.quick else MODELS[m][5 if cuda else 4] for m in models}}
     runners = {(m, p): make_runner(m, p, batches[m], cfg, device) for m in models for p in precisions}
-    common.say(f"{', '.join(models)} x {', '.join(precisions)} on {device.type} "
+    course.say(f"{', '.join(models)} x {', '.join(precisions)} on {device.type} "
                f"({torch.cuda.get_device_name(device) if cuda else benchlib.cpu_model()}), {args.rounds} round(s)")
     per_round = benchlib.run_rounds({"/".join(key): run for key, run in runners.items()}, args.rounds)
     rounds, losses = benchlib.column(per_round), benchlib.column(per_round, "loss")[-1]
@@ -156,8 +157,8 @@ def report(args, cfg, device, models, precisions, rounds, losses):
     png = benchlib.bar_plot(out / f"{name}.png", [k.replace("_vs_fp32", "") for k in ratios], list(ratios.values()),
                             "images/s relative to fp32", f"autocast vs fp32, {device.type}", colors=colors,
                             hline=1.0, hline_label="fp32")
-    common.say("\n".join(md))
-    common.say("written: " + ", ".join(str(p) for p in paths + ([png] if png else [])))
+    course.say("\n".join(md))
+    course.say("written: " + ", ".join(str(p) for p in paths + ([png] if png else [])))
 
 
 if __name__ == "__main__":

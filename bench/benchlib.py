@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import common
+from tools import course
 
 
 def positive_int(text: str) -> int:
@@ -108,7 +109,7 @@ def rotated(items: list, round_index: int) -> list:
     return items[k:] + items[:k]
 
 
-def run_rounds(variants: dict, rounds: int, say=common.say) -> list[dict]:
+def run_rounds(variants: dict, rounds: int, say=course.say) -> list[dict]:
     """Run every variant once per round, in the rotated order; print each round's images/s.
 
     `variants` maps a name to a function returning a dict with at least 'images_per_s'. Returns one
@@ -182,8 +183,8 @@ def write_results(out_dir, name: str, payload: dict, md_lines: list[str]) -> lis
         md_lines = md_lines[:1] + ["", "> Quick run (`--quick`): tiny sizes and few steps, to check that the benchmark "
                                        "runs. Do not read speeds from it."] + md_lines[1:]
     out = Path(out_dir)
-    paths = [common.atomic_write_bytes((json.dumps(payload, indent=1) + "\n").encode(), out / f"{name}.json"),
-             common.atomic_write_bytes(("\n".join(md_lines) + "\n").encode(), out / f"{name}.md")]
+    paths = [course.atomic_write_bytes((json.dumps(payload, indent=1) + "\n").encode(), out / f"{name}.json"),
+             course.atomic_write_bytes(("\n".join(md_lines) + "\n").encode(), out / f"{name}.md")]
     return paths
 
 

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import benchlib
 import common
+from tools import course
 import workarounds
 
 
@@ -81,13 +82,13 @@ def main(argv=None):
         parser.error("--caps: every bucket size must be above 0 MB")
     local_rank, procs_per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     try:
-        device, backend = common.choose_device(local_rank=local_rank, procs_per_node=procs_per_node)
-    except common.UsageError as err:
+        device, backend = course.choose_device(local_rank=local_rank, procs_per_node=procs_per_node)
+    except course.UsageError as err:
         parser.error(str(err))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
-        common.share_cpu_threads(procs_per_node)
+        course.share_cpu_threads(procs_per_node)
     cuda = device.type == "cuda"
     if args.quick:
         args.rounds, args.steps, args.warmup, args.batch_size, caps = 1, 1, 2, 2, [1.0, 25.0]
@@ -100,9 +101,9 @@ def main(argv=None):
         cfg["world_size"] = ws
         runners = {"no_sync": make_runner(None, cfg, device, local_rank)}
         runners.update({f"{c:g} MB": make_runner(c, cfg, device, local_rank) for c in caps})
-        common.print0(rank, f"ResNet-18, {ws} processes, {backend} on {device.type}, batch {cfg['batch']} per process, "
+        course.print0(rank, f"ResNet-18, {ws} processes, {backend} on {device.type}, batch {cfg['batch']} per process, "
                             f"{cfg['steps']} timed steps, {args.rounds} round(s)")
-        per_round = benchlib.run_rounds(runners, args.rounds, say=lambda line: common.print0(rank, line))
+        per_round = benchlib.run_rounds(runners, args.rounds, say=lambda line: course.print0(rank, line))
         rounds, buckets = benchlib.column(per_round), benchlib.column(per_round, "buckets")[-1]
         if rank == 0:
             report(args, cfg, device, backend, list(runners), rounds, buckets)
@@ -135,8 +136,8 @@ def report(args, cfg, device, backend, names, rounds, buckets):
     png = benchlib.bar_plot(out / f"{name}.png", [n if n == "no_sync" else f"cap {n}" for n in names],
                             [results[n] for n in names], "images/s (all processes)",
                             f"ResNet-18 under DDP, {cfg['world_size']} processes, {backend}")
-    common.say("\n".join(md))
-    common.say("written: " + ", ".join(str(p) for p in paths + ([png] if png else [])))
+    course.say("\n".join(md))
+    course.say("written: " + ", ".join(str(p) for p in paths + ([png] if png else [])))
 
 
 if __name__ == "__main__":

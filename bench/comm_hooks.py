@@ -29,6 +29,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import benchlib
 import common
+from tools import course, data
 import workarounds
 
 HOOKS = ["all_reduce", "fp16", "bf16", "powersgd"]
@@ -66,7 +67,7 @@ def train(model_name: str, hook: str, cfg: dict, rank: int, ws: int, device: tor
         test_set = None
         net, batch, steps = common.resnet18_cifar(), 16, cfg["resnet_steps"]
     sampler = DistributedSampler(train_set, num_replicas=ws, rank=rank, seed=0)
-    loader = common.batch_loader(train_set, batch, sampler=sampler)
+    loader = course.batch_loader(train_set, batch, sampler=sampler)
     model = DDP(net.to(device), device_ids=[device.index] if device.type == "cuda" else None)
     attach(model, hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -88,7 +89,7 @@ def train(model_name: str, hook: str, cfg: dict, rank: int, ws: int, device: tor
               "mb_per_step": SENT["bytes"] / max(1, len(times)) / 1e6,
               "final_loss": sum(losses[-4:]) / len(losses[-4:])}  # the last 4 steps
     if test_set is not None:
-        totals = common.evaluate(model.module, common.batch_loader(test_set, 1000,
+        totals = common.evaluate(model.module, course.batch_loader(test_set, 1000,
                                                                   sampler=range(rank, len(test_set), ws)), device)
         dist.all_reduce(totals)
         result["test_acc"] = (totals[0] / totals[1]).item()
@@ -105,14 +106,14 @@ def main(argv=None):
     workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
     local_ws = int(os.environ["LOCAL_WORLD_SIZE"])
     rank = int(os.environ["RANK"])
-    device, backend = common.choose_device(local_rank=int(os.environ["LOCAL_RANK"]), procs_per_node=local_ws)
+    device, backend = course.choose_device(local_rank=int(os.environ["LOCAL_RANK"]), procs_per_node=local_ws)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
-        common.share_cpu_threads(local_ws)
+        course.share_cpu_threads(local_ws)
     if int(os.environ["LOCAL_RANK"]) == 0:
         for dataset in ("mnist-standin", "cifar10-standin"):
-            common.prepare_data(dataset, args.data_dir, quiet=True)
+            data.prepare(dataset, args.data_dir, quiet=True)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     dist.all_reduce = counting_all_reduce(dist.all_reduce)  # the hooks call dist.all_reduce: count the bytes
@@ -124,7 +125,7 @@ def main(argv=None):
         for model_name in ("convnet", "resnet18"):
             for hook in HOOKS:
                 results[f"{model_name}/{hook}"] = train(model_name, hook, cfg, rank, ws, device)
-                common.print0(rank, f"{model_name}/{hook}: " + ", ".join(
+                course.print0(rank, f"{model_name}/{hook}: " + ", ".join(
                     f"{k} {v:.4g}" for k, v in results[f"{model_name}/{hook}"].items()))
         if rank == 0:
             report(args, cfg, results, device, backend)
@@ -164,8 +165,8 @@ def report(args, cfg, results, device, backend):
               for r in ratios.values()]
     png = benchlib.bar_plot(out / f"{name}.png", list(ratios), speeds, "images/s relative to plain all_reduce",
                             f"DDP comm hooks, {device.type}, {backend}", hline=1.0, hline_label="plain all_reduce")
-    common.say("\n".join(md))
-    common.say("written: " + ", ".join(str(p) for p in paths + ([png] if png else [])))
+    course.say("\n".join(md))
+    course.say("written: " + ", ".join(str(p) for p in paths + ([png] if png else [])))
 
 
 if __name__ == "__main__":

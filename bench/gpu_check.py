@@ -30,6 +30,7 @@ from pathlib import Path
 
 import benchlib
 import common
+from tools import course
 
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {"mnist_test_acc": 0.98, "mnist_epoch_s": 2.0, "resnet18_bf16_vs_fp32": 2.0}
@@ -128,7 +129,7 @@ def run_step(step: Step, log_dir: Path) -> dict:
     except RuntimeError as err:
         out, ok = str(err), False
         log = log_dir / (step.name.replace(" ", "_").replace("/", "-") + ".log")
-        common.atomic_write_bytes(out.encode(), log)
+        course.atomic_write_bytes(out.encode(), log)
     return {"step": step.name, "passed": ok, "seconds": round(time.time() - start, 1), "note": step.note,
             "command": " ".join(step.cmd), "log": str(log) if log else None, "final": _final(out)}
 
@@ -202,11 +203,11 @@ def main(argv=None) -> int:
     parser.add_argument("--output-dir", default="bench/results", help="where results go (default %(default)s)")
     parser.add_argument("--only", default="", help="comma-separated step names (default: all)")
     parser.add_argument("--list", action="store_true", help="print the plan for this machine and stop")
-    parser.add_argument("--gpus", type=common.positive_int, help="with --list: the plan for a machine with N GPUs")
+    parser.add_argument("--gpus", type=course.positive_int, help="with --list: the plan for a machine with N GPUs")
     args = parser.parse_args(argv)
     if args.gpus and not args.list:
         parser.error("--gpus only goes with --list: a real check uses the GPUs that are here")
-    gpus = args.gpus or common.gpu_count()
+    gpus = args.gpus or course.gpu_count()
     if gpus == 0:
         parser.exit(2, "error: gpu-check needs a CUDA GPU, and torch sees none here (torch.cuda.is_available() is "
                        "False). `--list --gpus 1` shows what it would run.\n")
@@ -222,7 +223,7 @@ def main(argv=None) -> int:
     if args.list:
         for s in steps:
             note = f"   [{s.note}]" if s.note and not s.skip else ""
-            common.say(f"{s.name:<22} {s.skip or ' '.join(s.cmd)}{note}")
+            course.say(f"{s.name:<22} {s.skip or ' '.join(s.cmd)}{note}")
         return 0
 
     import torch
@@ -236,17 +237,17 @@ def main(argv=None) -> int:
         if step.skip:
             rows.append({"step": step.name, "passed": False, "skipped": step.skip, "seconds": 0.0, "note": step.note,
                          "command": " ".join(step.cmd), "log": None, "final": {}})
-            common.say(f"[{i}/{len(steps)}] {step.name}: {step.skip}")
+            course.say(f"[{i}/{len(steps)}] {step.name}: {step.skip}")
             continue
         row = run_step(step, log_dir)
         rows.append(row)
-        common.say(f"[{i}/{len(steps)}] {step.name}: {'passed' if row['passed'] else 'FAILED'} "
+        course.say(f"[{i}/{len(steps)}] {step.name}: {'passed' if row['passed'] else 'FAILED'} "
                    f"in {row['seconds']:.0f} s" + (f" (log: {row['log']})" if row["log"] else ""))
     fig = figures(rows, out_dir, since, gpus)
     met = goals(fig)
     paths = report(rows, fig, met, machine, out_dir, name)
     failed = [r["step"] for r in rows if not r["passed"] and not r.get("skipped")]
-    common.say(f"{len(rows) - len(failed)} of {len(rows)} steps passed or were not for this machine; "
+    course.say(f"{len(rows) - len(failed)} of {len(rows)} steps passed or were not for this machine; "
                f"failed: {', '.join(failed) or 'none'}. Written: {', '.join(map(str, paths))}")
     return 1 if failed else 0
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import benchlib
 import common
+from tools import course
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
                 passed, how = run(on, args.nproc, Path(tmp), timeout)
                 rows.append({"run": i + 1, "workaround": on, "passed": passed, "how": how,
                              "seconds": round(time.time() - start, 1)})
-                common.say(f"run {i + 1}/{args.runs}, workaround {'on ' if on else 'off'}: "
+                course.say(f"run {i + 1}/{args.runs}, workaround {'on ' if on else 'off'}: "
                            f"{'passed' if passed else 'FAILED: ' + how}")
     with_ = sum(r["passed"] for r in rows if r["workaround"])
     without = sum(r["passed"] for r in rows if not r["workaround"])
@@ -96,8 +97,8 @@ def main(argv=None) -> int:
                "passed_with_workaround": with_, "passed_without_workaround": without, "meaning": meaning,
                "per_run": rows}
     paths = benchlib.write_results(Path(args.output_dir), name, payload, md)
-    common.say("\n".join(md))
-    common.say("written: " + ", ".join(map(str, paths)))
+    course.say("\n".join(md))
+    course.say("written: " + ", ".join(map(str, paths)))
     return 0 if with_ == args.runs else 1
 
 

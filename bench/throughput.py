@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import benchlib
 import common
+from tools import course, data
 import workarounds
 
 # --------------------------------------------------------------------------- data sources (endless batch iterators)
@@ -68,7 +69,7 @@ def load_train_set(cfg):
 def torchvision_loader(cfg, device):
     from torchvision import datasets, transforms
 
-    root = Path(cfg["data_dir"]) / common.STANDIN_SUBDIR if cfg["dataset"].endswith("-standin") else cfg["data_dir"]
+    root = Path(cfg["data_dir"]) / data.STANDIN_SUBDIR if cfg["dataset"].endswith("-standin") else cfg["data_dir"]
     to_tensor = transforms.Compose([transforms.ToTensor(),
                                     transforms.Normalize((common.MNIST_MEAN,), (common.MNIST_STD,))])
     train_set = datasets.MNIST(str(root), train=True, transform=to_tensor, download=False)
@@ -124,7 +125,7 @@ def ddp_worker(rank: int, ws: int, cfg: dict, out: str, launched_at: float, init
         if rank == 0:
             result = {"images_per_s": images * ws / slowest.item(), "startup_s": ready - launched_at,
                       "threads": torch.get_num_threads()}
-            common.atomic_write_bytes(json.dumps(result).encode(), out)
+            course.atomic_write_bytes(json.dumps(result).encode(), out)
         del model
         dist.barrier()
     finally:
@@ -173,7 +174,7 @@ def plan_world_sizes(device, cores: int, requested: list[int] | None) -> tuple[l
     else:
         sizes = [n for n in (2, 4, 8) if n <= cores]
     if device.type == "cuda" and any(n > torch.cuda.device_count() for n in sizes):
-        raise common.UsageError(f"--world-sizes {sizes}: this machine has {torch.cuda.device_count()} GPU(s)")
+        raise course.UsageError(f"--world-sizes {sizes}: this machine has {torch.cuda.device_count()} GPU(s)")
     if not sizes:
         return [], (f"only {torch.cuda.device_count()} GPU: the multi-process variants need 2" if device.type == "cuda"
                     else f"only {cores} core: the multi-process variants need 2")
@@ -184,7 +185,7 @@ def build_variants(cfg: dict, device, world_sizes: list[int], tmp: str) -> dict:
     """name -> (label, function returning {'images_per_s': ..., maybe 'startup_s': ...})."""
     cores = cfg["cores"]
     train_set = load_train_set(cfg)
-    course = common.batch_loader(train_set, cfg["batch_size"], shuffle=True, seed=0, pin_memory=device.type == "cuda")
+    course = course.batch_loader(train_set, cfg["batch_size"], shuffle=True, seed=0, pin_memory=device.type == "cuda")
     tv = torchvision_loader(cfg, device)
 
     def single(make_model, batches, threads=cores):
@@ -270,13 +271,13 @@ def main(argv=None):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     try:
-        device, backend = common.choose_device(args.device, "auto")
+        device, backend = course.choose_device(args.device, "auto")
         cores = benchlib.usable_cores()
         world_sizes, note = plan_world_sizes(device, cores, args.world_sizes)
         if args.quick:
             world_sizes = world_sizes[:1]  # a smoke run: the smallest multi-process size is enough
-        args.dataset = common.prepare_data(args.dataset, args.data_dir, quiet=True)
-    except common.UsageError as err:
+        args.dataset = data.prepare(args.dataset, args.data_dir, quiet=True)
+    except course.UsageError as err:
         parser.error(str(err))
     cfg = {"device": device.type, "backend": backend, "cores": cores, "world_sizes": world_sizes,
            "batch_size": args.batch_size,
@@ -289,7 +290,7 @@ def main(argv=None):
     try:
         with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
             variants = build_variants(cfg, device, world_sizes, tmp)
-            common.say(f"ConvNet, batch {args.batch_size} per process, {args.steps} timed steps per variant, "
+            course.say(f"ConvNet, batch {args.batch_size} per process, {args.steps} timed steps per variant, "
                        f"{args.rounds} round(s), {device.type} ({benchlib.cpu_model()}, {cores} cores)"
                        + (f"; {note}" if note else ""))
             per_round = benchlib.run_rounds({n: fn for n, (_, fn) in variants.items()}, args.rounds)
@@ -333,8 +334,8 @@ def report(args, cfg, device, backend, variants, per_round, world_sizes, note):
     paths = benchlib.write_results(out, name, payload, md)
     png = benchlib.bar_plot(out / f"{name}.png", [variants[n][0] for n in names], [results[n] for n in names],
                             "images/s (all processes)", f"ConvNet training throughput, {device.type}, {backend}")
-    common.say("\n".join(md))
-    common.say("written: " + ", ".join(str(p) for p in paths + ([png] if png else [])))
+    course.say("\n".join(md))
+    course.say("written: " + ", ".join(str(p) for p in paths + ([png] if png else [])))
 
 
 if __name__ == "__main__":

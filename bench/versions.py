@@ -26,6 +26,7 @@ import torch
 
 import benchlib
 import common
+from tools import course
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = ["--dataset", "mnist-standin", "--epochs", "1", "--device", "cpu"]
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
         dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
                                     capture_output=True, text=True, timeout=60).stdout.strip())
         trees = {"old": (old_tree, Path(tmp) / "data-old"), "new": (REPO, Path(tmp) / "data-new")}
-        common.say(f"old: {old} ({args.old}), new: {new}{' with uncommitted changes' if dirty else ''}; "
+        course.say(f"old: {old} ({args.old}), new: {new}{' with uncommitted changes' if dirty else ''}; "
                    f"{rounds} round(s) of {', '.join(RUNS)}")
         for tree, data in trees.values():  # untimed: each tree writes its own stand-in data
             timed(tree, "single", data, args.timeout)
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
                     tree, data = trees[version]
                     result[f"{version}/{name}"] = timed(tree, name, data, args.timeout)
             per_round.append(result)
-            common.say(f"round {r + 1}/{rounds}: " + ", ".join(
+            course.say(f"round {r + 1}/{rounds}: " + ", ".join(
                 f"{name} new/old {result[f'new/{name}']['seconds'] / result[f'old/{name}']['seconds']:.2f}"
                 for name in RUNS))
     results = {key: {t: benchlib.summarize([r[key][t] for r in per_round]) for t in ("seconds", "wall_s")}
@@ -114,8 +115,8 @@ def main(argv=None) -> int:
     md += ["", "`seconds`: the script's own final line (training and evaluation); `wall_s`: the whole command, "
                "start-up and shutdown included."]
     for path in benchlib.write_results(args.output_dir, name, payload, md):
-        common.say(f"written: {path}")
-    common.say("\n".join(md))
+        course.say(f"written: {path}")
+    course.say("\n".join(md))
     return 0
 
 

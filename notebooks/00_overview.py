@@ -59,11 +59,12 @@
 
 # %% tags=["nbval-ignore-output"]
 import common
+from tools import course
 
 for nproc in (1, 2):
-    device, backend = common.choose_device(procs_per_node=nproc)
+    device, backend = course.choose_device(procs_per_node=nproc)
     print(f"{nproc} process(es) per node -> device={device.type} backend={backend}")
-print(common.runtime_report(device, backend, 2))
+print(course.runtime_report(device, backend, 2))
 
 # %% [markdown]
 # ## The baseline
@@ -89,7 +90,7 @@ assert records(out, "epoch")[0]["test_acc"] == summary["test_acc"]
 assert summary["test_acc"] > 0.5  # ten classes: chance is 0.1
 
 # %% [markdown]
-# Every training script ends with a `final:` line in the same format, which the tests read (`common.parse_lines`
+# Every training script ends with a `final:` line in the same format, which the tests read (`course.parse_lines`
 # reads any of the `kind: key=value` lines). After only 60 steps the accuracy is already well above chance; `make
 # smoke` runs the whole epoch.
 #

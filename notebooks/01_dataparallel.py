@@ -52,13 +52,14 @@ show("01_dataparallel/mnist_dataparallel.py", marked="DP:")
 
 # %% tags=["nbval-ignore-output"]
 import common
+from tools import course
 
 args = "--dataset mnist-standin --epochs 1 --max-steps 100 --log-every 25"
 single = run(f"python 01_dataparallel/mnist_single.py {args}", quiet=True)
 dp = run(f"python 01_dataparallel/mnist_dataparallel.py {args}", quiet=True)
 print("baseline:    ", [s["loss"] for s in records(single, "step")])
 print("DataParallel:", [s["loss"] for s in records(dp, "step")])
-if common.gpu_count() == 0:
+if course.gpu_count() == 0:
     assert records(single, "step") == records(dp, "step"), "without a GPU, DataParallel changes no number"
 else:
     assert "nn.DataParallel over GPUs" in dp

@@ -19,6 +19,7 @@ PYTHON = sys.executable
 sys.path.insert(0, str(REPO))
 
 import common  # noqa: E402
+from tools import course  # noqa: E402
 
 
 def run(cmd, timeout: float = 600, quiet: bool = False, env: dict | None = None) -> str:
@@ -41,12 +42,12 @@ def run(cmd, timeout: float = 600, quiet: bool = False, env: dict | None = None)
 
 def final(output: str) -> dict:
     """The `final:` summary line of a run, as a dict (numbers converted)."""
-    return common.parse_lines(output, "final")[-1]
+    return course.parse_lines(output, "final")[-1]
 
 
 def records(output: str, kind: str) -> list[dict]:
     """Every `kind: key=value ...` line of a run (kind: step, epoch, shard, final), as dicts."""
-    return common.parse_lines(output, kind)
+    return course.parse_lines(output, kind)
 
 
 def show(script: str, *names: str, marked: str = "") -> None:

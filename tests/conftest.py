@@ -6,6 +6,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, also without `make setup`
 
 import common  # noqa: E402
+from tools import course, data  # noqa: E402
 
 COLLECTED: dict[str, bool] = {}  # every test this session collected, before -m/-k: node id -> needs a GPU
 
@@ -14,7 +15,7 @@ COLLECTED: dict[str, bool] = {}  # every test this session collected, before -m/
 def pytest_collection_modifyitems(config, items):
     """`cuda` tests need one usable GPU, `multigpu` tests two; elsewhere they are skipped, with the reason."""
     COLLECTED.update({item.nodeid: any(item.get_closest_marker(m) for m in ("cuda", "multigpu")) for item in items})
-    gpus = common.gpu_count()
+    gpus = course.gpu_count()
     needs = {"cuda": 1, "multigpu": 2}
     for item in items:
         for marker, count in needs.items():
@@ -26,6 +27,6 @@ def pytest_collection_modifyitems(config, items):
 def data_dir(tmp_path_factory):
     """A data folder with both offline stand-ins, made once per test session."""
     root = tmp_path_factory.mktemp("data")
-    common.prepare_data("mnist-standin", root, quiet=True)
-    common.prepare_data("cifar10-standin", root, family="cifar10", quiet=True)
+    data.prepare("mnist-standin", root, quiet=True)
+    data.prepare("cifar10-standin", root, family="cifar10", quiet=True)
     return root

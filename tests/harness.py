@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import common
+from tools import course
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -89,7 +90,7 @@ def wait_gone(tag: str, seconds: float, group: int | None = None) -> list[int]:
 
 def parse_final(text: str) -> dict:
     """The last `final: key=value ...` line as a dict (numbers converted), or {} if there is none."""
-    rows = common.parse_lines(text, "final")
+    rows = course.parse_lines(text, "final")
     return rows[-1] if rows else {}
 
 
@@ -174,7 +175,7 @@ def check_shards(text: str, world_size: int, samples: int = 24000, epochs: int |
     """The `shard:` lines of a run with --show-shards: every epoch the ranks' shards are disjoint and cover the
     training set exactly once (counts, sums and sums of squares add up), and every rank's order changes from
     one epoch to the next (set_epoch)."""
-    shards = common.parse_lines(text, "shard")
+    shards = course.parse_lines(text, "shard")
     seen = sorted({s["epoch"] for s in shards})
     assert seen and (epochs is None or seen == list(range(1, epochs + 1))), seen
     for epoch in seen:

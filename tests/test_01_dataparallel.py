@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import common
+from tools import course
 from harness import PYTHON, make, python, run
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the CPU path on any machine, GPUs or not
@@ -40,7 +41,7 @@ def test_dataparallel_without_gpu_returns_exactly_what_the_module_returns():
 
 def test_dp_shapes_prints_the_split():
     out = make("dp-shapes", "ARGS=--gpus 2").stdout
-    if common.gpu_count() >= 2:  # a real split over two GPUs, each replica reporting from its thread
+    if course.gpu_count() >= 2:  # a real split over two GPUs, each replica reporting from its thread
         assert out.count("In Model on cuda:0: input size [15, 5] output size [15, 2]") == 3
         assert out.count("In Model on cuda:1: input size [15, 5] output size [15, 2]") == 3
         assert out.count("In Model on cuda:1: input size [5, 5] output size [5, 2]") == 1
@@ -57,7 +58,7 @@ def test_make_dataparallel_trains_and_saves_a_plain_state_dict(data_dir, tmp_pat
                f"ARGS=--dataset mnist-standin --data-dir {data_dir} --max-steps 60 --checkpoint-dir {tmp_path}")
     assert res.final["test_samples"] == 4000 and res.final["world_size"] == 1
     assert res.final["test_acc"] > 0.5
-    gpus = common.gpu_count()
+    gpus = course.gpu_count()
     assert res.final["replicas"] == max(1, gpus)
     if not gpus:
         assert "calls the model directly" in res.stdout
@@ -66,7 +67,7 @@ def test_make_dataparallel_trains_and_saves_a_plain_state_dict(data_dir, tmp_pat
 
 
 def test_dataparallel_refuses_gpus_that_are_not_there():
-    gpus = common.gpu_count()
+    gpus = course.gpu_count()
     if gpus == 0:
         res = python("01_dataparallel/mnist_dataparallel.py", "--gpus", "0,1", expect_rc=2)
         assert "need CUDA GPUs" in res.stderr

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+from tools import course
 from harness import PYTHON, REPO, check_shards, make, python, run
 
 # ------------------------------------------------------------------ DistributedSampler, in-process
@@ -110,15 +111,15 @@ def spawn_runs(folder, data_dir, nproc, device="cpu"):
     """
     base = [PYTHON, "mnist_spawn.py", "--nproc", str(nproc), "--dataset", "mnist-standin", "--data-dir", data_dir,
             "--max-steps", "15", "--timeout", "60", "--device", device]
-    if device == "cuda" and common.gpu_count() < nproc:
+    if device == "cuda" and course.gpu_count() < nproc:
         base += ["--backend", "gloo"]  # processes share the GPU(s)
     a_dir, b_dir = folder / f"A{nproc}{device}", folder / f"B{nproc}{device}"
     a = run(base + ["--epochs", "2", "--checkpoint-dir", a_dir], cwd=folder, timeout=180)
     b1 = run(base + ["--epochs", "1", "--checkpoint-dir", b_dir], cwd=folder, timeout=180)
     b2 = run(base + ["--epochs", "2", "--checkpoint-dir", b_dir], cwd=folder, timeout=180)  # continues by itself
     assert "resumed from" in b2.stdout and "after epoch 1" in b2.stdout
-    straight = common.load_checkpoint(a_dir / "mnist_spawn.pt")
-    resumed = common.load_checkpoint(b_dir / "mnist_spawn.pt")
+    straight = course.load_checkpoint(a_dir / "mnist_spawn.pt")
+    resumed = course.load_checkpoint(b_dir / "mnist_spawn.pt")
     return a, b1, b2, straight, resumed
 
 
@@ -140,7 +141,7 @@ def test_three_ranks_exact_evaluation_and_resume(copied, data_dir):
     model = common.ConvNet()
     model.load_state_dict(straight["model"])
     test_set = common.load_dataset("mnist-standin", data_dir, train=False)
-    correct, samples, _ = common.evaluate(model, common.batch_loader(test_set, 1000), "cpu").tolist()
+    correct, samples, _ = common.evaluate(model, course.batch_loader(test_set, 1000), "cpu").tolist()
     assert samples == 4000 and round(correct / samples, 4) == a.final["test_acc"]
     # with 3 ranks the resumed run's first all-reduce adds in another order: equal to about 1e-5 (the README's claim)
     worst = max((value.double() - resumed["model"][key].double()).abs().max().item()
@@ -161,7 +162,7 @@ def test_two_ranks_resume_gives_bitwise_the_same_weights(copied, data_dir):
 
 
 def test_spawn_refuses_impossible_requests():
-    gpus = common.gpu_count()  # one process more than there are GPUs: NCCL cannot work, on any machine
+    gpus = course.gpu_count()  # one process more than there are GPUs: NCCL cannot work, on any machine
     res = python("02_ddp_spawn/mnist_spawn.py", "--backend", "nccl", "--nproc", str(gpus + 1), expect_rc=2)
     assert ("nccl needs CUDA" if gpus == 0 else "NCCL needs one GPU per process") in res.stderr
     assert "Traceback" not in res.stderr

@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 import common
+from tools import course
 from harness import PYTHON, REPO, TAG, TORCHRUN, check_shards, kill_tagged, make, python, run, wait_gone
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
@@ -33,7 +34,7 @@ def test_three_processes_count_every_test_image_once(data_dir):
 def elastic_run(data_dir, tmp_path, device):
     res = make("elastic-restart", f"ELASTIC={tmp_path}/elastic", "FAIL_AT=20",
                f"ARGS=--epochs 2 --max-steps 15 --timeout 30 --device {device} " + STANDIN.format(data_dir)
-               + (" --backend gloo" if device == "cuda" and common.gpu_count() < 2 else ""), timeout=300)
+               + (" --backend gloo" if device == "cuda" and course.gpu_count() < 2 else ""), timeout=300)
     assert "RuntimeError: simulated failure of rank 1 at step 5 of epoch 2" in res.output
     assert "resumed from" in res.stdout and "restart 1" in res.stdout
     assert re.search(r"final: .* restarts=1", res.stdout)
@@ -80,7 +81,7 @@ def test_two_standalone_jobs_at_once_do_not_collide():
         for tag in tags:
             kill_tagged(tag)
     assert not left, f"processes left behind after both jobs ended: {left}"
-    backend = common.choose_device(procs_per_node=2)[1]  # nccl on a machine with 2 GPUs
+    backend = course.choose_device(procs_per_node=2)[1]  # nccl on a machine with 2 GPUs
     for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 0, out
         assert "process group of 2 is OK: all_reduce of ones = 2" in out

@@ -5,6 +5,7 @@ import re
 import pytest
 
 import common
+from tools import course
 from harness import PYTHON, make, run
 
 # Gloo on CPU, as recorded in the project's measured facts: every op of the static table works
@@ -28,7 +29,7 @@ def check_collectives(out: str, nproc: int, backend: str):
 @pytest.mark.parametrize("nproc", [3, 4])  # an odd and an even world size
 def test_every_collective_gives_its_closed_form_result(nproc):
     out = make("collectives", f"NPROC={nproc}", timeout=120).stdout
-    check_collectives(out, nproc, common.choose_device(procs_per_node=nproc)[1])
+    check_collectives(out, nproc, course.choose_device(procs_per_node=nproc)[1])
     # the table shows every rank: the last all_to_all row of the last rank
     last = nproc - 1
     assert f"rank {last}: {[float(10 * last + j) for j in range(nproc)]}" in out

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+from tools import course
 from harness import PYTHON, REPO, TORCHRUN, make, run
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
@@ -28,7 +29,7 @@ def test_bf16_with_sync_bn_converges_like_fp32(data_dir):
     args = "ARGS=" + STANDIN.format(data_dir)
     bf16 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args, timeout=240)
     fp32 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args + " --amp off", timeout=240)
-    if common.choose_device(procs_per_node=2)[0].type == "cpu":
+    if course.choose_device(procs_per_node=2)[0].type == "cpu":
         assert bf16.final["amp"] == "bf16" and "nn.SyncBatchNorm trains on GPUs only" in bf16.stdout
     else:
         assert bf16.final["amp"] == "fp16", "auto is fp16 on CUDA"
@@ -69,8 +70,8 @@ def test_two_ranks_of_b_equal_one_process_of_2b_through_the_real_scripts(data_di
     run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
          *common_args, "--batch-size", "32", "--amp", "off", "--sync-bn", "--device", "cpu",
          "--checkpoint-dir", tmp_path / "two"], timeout=180)
-    one = common.load_checkpoint(tmp_path / "one" / "mnist_single.pt")["model"]
-    two = common.load_checkpoint(tmp_path / "two" / "mnist_amp_syncbn.pt")["model"]
+    one = course.load_checkpoint(tmp_path / "one" / "mnist_single.pt")["model"]
+    two = course.load_checkpoint(tmp_path / "two" / "mnist_amp_syncbn.pt")["model"]
     common.seed_everything(0)  # the scripts' default seed: the weights both started from
     start = common.ConvNet().state_dict()
     assert (one["fc.weight"] - start["fc.weight"]).abs().max() > 1e-4, "the step must have changed the weights"
@@ -109,7 +110,7 @@ def test_augment_cifar_crops_and_flips_whole_batches(monkeypatch):
 
 def gpu_ranks() -> list[str]:
     """Two processes on the GPUs: NCCL on two, or sharing one through Gloo."""
-    return [] if common.gpu_count() >= 2 else ["--backend", "gloo"]
+    return [] if course.gpu_count() >= 2 else ["--backend", "gloo"]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import torchvision
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+from tools import course, data
 import standins
 from harness import PYTHON, REPO
 
@@ -24,7 +25,7 @@ from harness import PYTHON, REPO
 def test_mnist_standin_reads_through_torchvision_mnist(data_dir):
     n_train, n_test = standins.STANDIN_SIZES["mnist"]
     for train, n in ((True, n_train), (False, n_test)):
-        ds = torchvision.datasets.MNIST(str(data_dir / common.STANDIN_SUBDIR), train=train)
+        ds = torchvision.datasets.MNIST(str(data_dir / data.STANDIN_SUBDIR), train=train)
         assert len(ds) == n
         assert ds.data.shape == (n, 28, 28) and ds.data.dtype == torch.uint8
         assert sorted(ds.targets.unique().tolist()) == list(range(10))
@@ -36,7 +37,7 @@ def test_mnist_standin_reads_through_torchvision_mnist(data_dir):
 
 class CIFAR10StandIn(torchvision.datasets.CIFAR10):
     """torchvision's CIFAR10 class pointed at the stand-in's files (no md5 check: they are generated)."""
-    base_folder = common.CIFAR_STANDIN_FOLDER
+    base_folder = data.CIFAR_STANDIN_FOLDER
     train_list = [[f"data_batch_{i}", None] for i in range(1, 6)]
     test_list = [["test_batch", None]]
     meta = {"filename": "batches.meta", "key": "label_names", "md5": None}
@@ -46,7 +47,7 @@ def test_cifar_standin_reads_through_torchvision_cifar10(data_dir):
     cls = CIFAR10StandIn
     n_train, n_test = standins.STANDIN_SIZES["cifar10"]
     for train, n in ((True, n_train), (False, n_test)):
-        ds = cls(str(data_dir / common.STANDIN_SUBDIR), train=train)
+        ds = cls(str(data_dir / data.STANDIN_SUBDIR), train=train)
         assert len(ds) == n and ds.data.shape == (n, 32, 32, 3)
         assert sorted(set(ds.targets)) == list(range(10))
         assert ds.classes == standins.CIFAR_CLASSES
@@ -57,7 +58,7 @@ def test_cifar_standin_reads_through_torchvision_cifar10(data_dir):
 @pytest.mark.parametrize("dataset", ["mnist-standin", "cifar10-standin"])
 def test_the_course_reads_the_files_exactly_as_torchvision_does(data_dir, dataset):
     """common.load_dataset reads the IDX files and pickled batches itself; torchvision's classes must agree."""
-    root = str(data_dir / common.STANDIN_SUBDIR)
+    root = str(data_dir / data.STANDIN_SUBDIR)
     for train in (True, False):
         ours = common.load_dataset(dataset, data_dir, train=train)
         if dataset == "mnist-standin":
@@ -108,18 +109,18 @@ def test_auto_falls_back_to_standin_loudly(tmp_path, monkeypatch, capsys):
     assert common.prepare_data("auto", tmp_path) == "mnist-standin"
     out = capsys.readouterr().out
     assert "STAND-IN" in out and "no network" in out and "make data" in out
-    assert common.resolve_dataset("auto", tmp_path) == "mnist-standin"
+    assert data.resolve_dataset("auto", tmp_path) == "mnist-standin"
 
 
 def test_auto_prefers_real_data_when_present(tmp_path):
     standins.write_mnist_standin(tmp_path, sizes=(20, 10))  # real-format files where real MNIST lives
     assert common.prepare_data("auto", tmp_path) == "mnist"
-    assert common.resolve_dataset("auto", tmp_path) == "mnist"
+    assert data.resolve_dataset("auto", tmp_path) == "mnist"
 
 
 def test_real_dataset_without_data_or_network_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "try_download", lambda *a, **k: "URLError: no network")
-    with pytest.raises(common.UsageError, match="make data.*mnist-standin"):
+    with pytest.raises(course.UsageError, match="make data.*mnist-standin"):
         common.prepare_data("mnist", tmp_path)
 
 
@@ -137,76 +138,76 @@ def fake_gpus(monkeypatch, n: int, name: str = "NVIDIA Test GPU"):
 def test_cpu_machine_gets_cpu_and_gloo(monkeypatch):
     fake_gpus(monkeypatch, 0)
     cpu = torch.device("cpu")
-    assert common.choose_device("auto", "auto", procs_per_node=2) == (cpu, "gloo")
-    assert common.choose_device("cpu", "gloo", procs_per_node=4) == (cpu, "gloo")
-    assert common.choose_device("auto", None) == (cpu, None)  # a single-process script
-    with pytest.raises(common.UsageError, match="nccl needs CUDA"):
-        common.choose_device("auto", "nccl")
-    with pytest.raises(common.UsageError, match="no usable CUDA GPU"):
-        common.choose_device("cuda", "auto")
-    with pytest.raises(common.UsageError, match="at least 1"):
-        common.choose_device("auto", "auto", procs_per_node=0)
+    assert course.choose_device("auto", "auto", procs_per_node=2) == (cpu, "gloo")
+    assert course.choose_device("cpu", "gloo", procs_per_node=4) == (cpu, "gloo")
+    assert course.choose_device("auto", None) == (cpu, None)  # a single-process script
+    with pytest.raises(course.UsageError, match="nccl needs CUDA"):
+        course.choose_device("auto", "nccl")
+    with pytest.raises(course.UsageError, match="no usable CUDA GPU"):
+        course.choose_device("cuda", "auto")
+    with pytest.raises(course.UsageError, match="at least 1"):
+        course.choose_device("auto", "auto", procs_per_node=0)
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])
 def test_gpu_machines_get_one_gpu_per_nccl_process(monkeypatch, gpus):
     fake_gpus(monkeypatch, gpus)
     for local_rank in range(gpus):  # as many processes as GPUs: CUDA + NCCL, local rank r on cuda:r
-        assert common.choose_device("auto", "auto", local_rank=local_rank, procs_per_node=gpus) == \
+        assert course.choose_device("auto", "auto", local_rank=local_rank, procs_per_node=gpus) == \
             (torch.device("cuda", local_rank), "nccl")
-    assert common.choose_device("auto", None) == (torch.device("cuda", 0), None)
+    assert course.choose_device("auto", None) == (torch.device("cuda", 0), None)
     # more processes than GPUs: auto falls back to the CPU; asking for NCCL or CUDA is refused in one line
-    assert common.choose_device("auto", "auto", procs_per_node=gpus + 1) == (torch.device("cpu"), "gloo")
+    assert course.choose_device("auto", "auto", procs_per_node=gpus + 1) == (torch.device("cpu"), "gloo")
     for device, backend in (("auto", "nccl"), ("cuda", "auto"), ("cuda", "nccl")):
-        with pytest.raises(common.UsageError, match=f"one GPU per process.*NPROC={gpus}.*--backend gloo"):
-            common.choose_device(device, backend, procs_per_node=gpus + 1)
-    with pytest.raises(common.UsageError, match="CUDA tensors only"):
-        common.choose_device("cpu", "nccl")
-    assert common.choose_device("cpu", "auto", procs_per_node=gpus) == (torch.device("cpu"), "gloo")
+        with pytest.raises(course.UsageError, match=f"one GPU per process.*NPROC={gpus}.*--backend gloo"):
+            course.choose_device(device, backend, procs_per_node=gpus + 1)
+    with pytest.raises(course.UsageError, match="CUDA tensors only"):
+        course.choose_device("cpu", "nccl")
+    assert course.choose_device("cpu", "auto", procs_per_node=gpus) == (torch.device("cpu"), "gloo")
 
 
 def test_processes_share_gpus_only_with_gloo_and_cuda_asked_for(monkeypatch):
     fake_gpus(monkeypatch, 1)
-    placed = [common.choose_device("cuda", "gloo", local_rank=r, procs_per_node=3) for r in range(3)]
+    placed = [course.choose_device("cuda", "gloo", local_rank=r, procs_per_node=3) for r in range(3)]
     assert placed == [(torch.device("cuda", 0), "gloo")] * 3
     fake_gpus(monkeypatch, 2)
-    placed = [common.choose_device("cuda", "gloo", local_rank=r, procs_per_node=4)[0].index for r in range(4)]
+    placed = [course.choose_device("cuda", "gloo", local_rank=r, procs_per_node=4)[0].index for r in range(4)]
     assert placed == [0, 1, 0, 1], "local rank r uses cuda:r % GPUs"
 
 
 def test_runtime_report_names_the_build_and_says_loudly_when_gpus_go_unused(monkeypatch):
     fake_gpus(monkeypatch, 0)
     monkeypatch.setattr(common.shutil, "which", lambda name: None)
-    first = common.runtime_report(torch.device("cpu"), "gloo", 2)
+    first = course.runtime_report(torch.device("cpu"), "gloo", 2)
     assert first.startswith(f"torch {torch.__version__} (CUDA {torch.version.cuda}), no CUDA GPU visible; "
                             "this run: 2 process(es) per node on cpu with gloo")
     assert "NOTE" not in first
     monkeypatch.setattr(common.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
     assert "NOTE: nvidia-smi is installed but torch sees no usable GPU" in \
-        common.runtime_report(torch.device("cpu"), "gloo", 2)
+        course.runtime_report(torch.device("cpu"), "gloo", 2)
 
     fake_gpus(monkeypatch, 1, "NVIDIA H100 80GB HBM3")
-    report = common.runtime_report(torch.device("cpu"), "gloo", 2)
+    report = course.runtime_report(torch.device("cpu"), "gloo", 2)
     assert "1 GPU(s): NVIDIA H100 80GB HBM3" in report
     assert "NOTE: THIS RUN USES THE CPU although 1 GPU(s) are visible" in report and "NPROC=1" in report
-    assert "--device cpu was asked for" in common.runtime_report(torch.device("cpu"), "gloo", 1)
-    assert "share 1 GPU(s) through Gloo" in common.runtime_report(torch.device("cuda", 0), "gloo", 2)
-    assert "NOTE" not in common.runtime_report(torch.device("cuda", 0), "nccl", 1)
+    assert "--device cpu was asked for" in course.runtime_report(torch.device("cpu"), "gloo", 1)
+    assert "share 1 GPU(s) through Gloo" in course.runtime_report(torch.device("cuda", 0), "gloo", 2)
+    assert "NOTE" not in course.runtime_report(torch.device("cuda", 0), "nccl", 1)
 
 
 def test_gpus_older_than_the_build_are_not_used(monkeypatch):
     """A GPU below the build's lowest compute capability has no kernels: the CPU runs, and a NOTE says why."""
     fake_gpus(monkeypatch, 2, "Tesla P100")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (6, 0))
-    assert common.gpu_count() == 0
-    assert common.choose_device("auto", "auto", procs_per_node=2) == (torch.device("cpu"), "gloo")
-    report = common.runtime_report(torch.device("cpu"), "gloo", 2)
+    assert course.gpu_count() == 0
+    assert course.choose_device("auto", "auto", procs_per_node=2) == (torch.device("cpu"), "gloo")
+    report = course.runtime_report(torch.device("cpu"), "gloo", 2)
     assert "THIS RUN USES THE CPU" in report and "Tesla P100 (6.0)" in report
 
 
 def _parser(distributed=True):
-    parser = common.ArgumentParser(prog="x")
-    common.add_common_args(parser, distributed=distributed)
+    parser = course.ArgumentParser(prog="x")
+    course.add_common_args(parser, distributed=distributed)
     return parser
 
 
@@ -226,7 +227,7 @@ def test_bad_arguments_end_in_one_clear_line(argv, message, capsys, monkeypatch)
     fake_gpus(monkeypatch, 0)
     parser = _parser()
     with pytest.raises(SystemExit) as exc:
-        common.check_args(parser, parser.parse_args(argv))
+        course.check_args(parser, parser.parse_args(argv))
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
@@ -238,7 +239,7 @@ def test_data_dir_that_is_a_file_is_refused(tmp_path, capsys):
     not_a_dir.write_text("x")
     parser = _parser()
     with pytest.raises(SystemExit):
-        common.check_args(parser, parser.parse_args(["--data-dir", str(not_a_dir)]))
+        course.check_args(parser, parser.parse_args(["--data-dir", str(not_a_dir)]))
     assert "is not a directory" in capsys.readouterr().err
 
 
@@ -259,7 +260,7 @@ def test_free_port_is_bindable():
 
 
 def test_atomic_save_round_trip(tmp_path):
-    path = common.atomic_save({"w": torch.arange(3), "epoch": 2}, tmp_path / "sub" / "ck.pt")
+    path = course.atomic_save({"w": torch.arange(3), "epoch": 2}, tmp_path / "sub" / "ck.pt")
     loaded = torch.load(path, weights_only=True)
     assert loaded["epoch"] == 2 and torch.equal(loaded["w"], torch.arange(3))
     assert [p.name for p in path.parent.iterdir()] == ["ck.pt"], "no temp file may stay behind"
@@ -272,7 +273,7 @@ _KILLED_WRITER = textwrap.dedent("""
         f.write(b"PK" + b"x" * 100000); f.flush()
         print("writing", flush=True); time.sleep(60)
     if mode == "atomic":
-        common._atomic_write(path, slow)
+        course._atomic_write(path, slow)
     else:
         with open(path, "wb") as f:
             slow(f)
@@ -283,7 +284,7 @@ _KILLED_WRITER = textwrap.dedent("""
 def test_kill_mid_write(tmp_path, mode):
     """A save killed half-way: the atomic one keeps the previous checkpoint, a plain write destroys it."""
     path = tmp_path / "ck.pt"
-    common.atomic_save({"epoch": 1}, path)
+    course.atomic_save({"epoch": 1}, path)
     proc = subprocess.Popen([PYTHON, "-c", _KILLED_WRITER, str(path), mode], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -300,10 +301,10 @@ def test_kill_mid_write(tmp_path, mode):
 
 def test_rng_state_round_trip_and_weights_only(tmp_path):
     common.seed_everything(5)
-    common.atomic_save(common.rng_state(), tmp_path / "rng.pt")
+    course.atomic_save(course.rng_state(), tmp_path / "rng.pt")
     expected = torch.rand(3)
     torch.rand(10)
-    common.set_rng_state(common.load_checkpoint(tmp_path / "rng.pt"))
+    course.set_rng_state(course.load_checkpoint(tmp_path / "rng.pt"))
     assert torch.equal(torch.rand(3), expected)
 
 
@@ -321,23 +322,23 @@ def test_a_checkpoint_written_on_a_gpu_resumes_on_a_cpu(tmp_path, monkeypatch):
     model(torch.randn(4, 1, 28, 28)).sum().backward()
     optimizer.step()
     common.seed_everything(3)
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": common.rng_state()}
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": course.rng_state()}
     expected = torch.rand(3)
     registry = list(ser._package_registry)
     monkeypatch.setattr(ser, "_package_registry", [(0, lambda storage: "cuda:0", lambda s, loc: None)] + registry)
-    common.atomic_save(state, tmp_path / "gpu.pt")  # every storage tagged as living on cuda:0
+    course.atomic_save(state, tmp_path / "gpu.pt")  # every storage tagged as living on cuda:0
     monkeypatch.setattr(ser, "_package_registry", registry)
     with pytest.raises(RuntimeError, match="CUDA"):
         torch.load(tmp_path / "gpu.pt", weights_only=True)  # the naive load wants the GPU back
 
-    loaded = common.load_checkpoint(tmp_path / "gpu.pt")
+    loaded = course.load_checkpoint(tmp_path / "gpu.pt")
     fresh = common.ConvNet()
     fresh.load_state_dict(loaded["model"])
     fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
     fresh_optimizer.load_state_dict(loaded["optimizer"])
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
     torch.rand(5)
-    common.set_rng_state(loaded["rng"])
+    course.set_rng_state(loaded["rng"])
     assert torch.equal(torch.rand(3), expected)
 
 
@@ -355,12 +356,12 @@ def test_models_have_the_expected_shapes():
 
 def test_batch_loader_fetches_whole_batches_from_any_sampler():
     ds = torch.utils.data.TensorDataset(torch.arange(10).float(), torch.arange(10))
-    batches = list(common.batch_loader(ds, 4))
+    batches = list(course.batch_loader(ds, 4))
     assert [len(b[1]) for b in batches] == [4, 4, 2]
     assert torch.cat([b[1] for b in batches]).tolist() == list(range(10))
     sampler = [9, 3, 5]
-    assert [b[1].tolist() for b in common.batch_loader(ds, 2, sampler=sampler)] == [[9, 3], [5]]
-    shuffled = torch.cat([b[1] for b in common.batch_loader(ds, 3, shuffle=True, seed=1)])
+    assert [b[1].tolist() for b in course.batch_loader(ds, 2, sampler=sampler)] == [[9, 3], [5]]
+    shuffled = torch.cat([b[1] for b in course.batch_loader(ds, 3, shuffle=True, seed=1)])
     assert sorted(shuffled.tolist()) == list(range(10)) and shuffled.tolist() != list(range(10))
 
 
@@ -370,7 +371,7 @@ def test_evaluate_returns_sums():
             return torch.nn.functional.one_hot(torch.full((len(x),), 3), 10).float()
 
     ds = torch.utils.data.TensorDataset(torch.zeros(7, 1), torch.tensor([3, 3, 1, 3, 0, 0, 3]))
-    correct, samples, loss_sum = common.evaluate(Always3(), common.batch_loader(ds, 3), "cpu").tolist()
+    correct, samples, loss_sum = common.evaluate(Always3(), course.batch_loader(ds, 3), "cpu").tolist()
     assert (correct, samples) == (4, 7) and loss_sum > 0
 
 
@@ -379,52 +380,52 @@ def test_evaluate_builds_no_graph():
     model = torch.nn.Linear(1, 10)
     model.register_forward_hook(lambda module, args, out: seen.append(out.requires_grad))
     ds = torch.utils.data.TensorDataset(torch.zeros(4, 1), torch.tensor([3, 3, 1, 3]))
-    totals = common.evaluate(model, common.batch_loader(ds, 2), "cpu")
+    totals = common.evaluate(model, course.batch_loader(ds, 2), "cpu")
     assert seen == [False, False] and not totals.requires_grad, "evaluation must run under torch.no_grad()"
     assert model.training, "evaluate puts the model back in training mode"
 
 
 def test_final_line_format_and_parsing():
-    line = common.final_line(test_acc=0.98712, test_samples=10000, world_size=2, epochs=2, seconds=12.44,
+    line = course.final_line(test_acc=0.98712, test_samples=10000, world_size=2, epochs=2, seconds=12.44,
                              dataset="mnist", weights="0001e100", ranks_agree=True, restarts=1)
     assert line == ("final: test_acc=0.9871 test_samples=10000 world_size=2 epochs=2 seconds=12.4 "
                     "dataset=mnist weights=0001e100 ranks_agree=True restarts=1")
-    parsed = common.parse_lines("noise\n" + line + "\nfinal: test_acc=0.5000", "final")
+    parsed = course.parse_lines("noise\n" + line + "\nfinal: test_acc=0.5000", "final")
     assert parsed[0] == {"test_acc": 0.9871, "test_samples": 10000, "world_size": 2, "epochs": 2, "seconds": 12.4,
                          "dataset": "mnist", "weights": "0001e100", "ranks_agree": "True", "restarts": 1}
     assert parsed[1] == {"test_acc": 0.5}
-    assert common.line("step", epoch=1, step=25, loss=0.123456) == "step: epoch=1 step=25 loss=0.1235"
+    assert course.line("step", epoch=1, step=25, loss=0.123456) == "step: epoch=1 step=25 loss=0.1235"
 
 
 def test_weights_digest_sees_every_byte_of_parameters_and_buffers():
     a, b = common.ConvNet(), common.ConvNet()
     b.load_state_dict(a.state_dict())
-    assert common.weights_digest(a) == common.weights_digest(b)
+    assert course.weights_digest(a) == course.weights_digest(b)
     with torch.no_grad():
         b.fc.bias[3] = torch.nextafter(b.fc.bias[3], torch.tensor(1.0))  # the smallest possible change
-    assert common.weights_digest(a) != common.weights_digest(b)
+    assert course.weights_digest(a) != course.weights_digest(b)
     b.load_state_dict(a.state_dict())
     b.layer1[1].running_mean += 1e-7  # a BatchNorm buffer, not a parameter
-    assert common.weights_digest(a) != common.weights_digest(b)
+    assert course.weights_digest(a) != course.weights_digest(b)
 
 
 def test_shard_line_sums_and_orders_without_moving_the_sampler():
     data = list(range(10))
-    shards = [common.parse_lines(common.shard_line(r, 0, DistributedSampler(data, 2, r, seed=3)), "shard")[0]
+    shards = [course.parse_lines(course.shard_line(r, 0, DistributedSampler(data, 2, r, seed=3)), "shard")[0]
               for r in range(2)]
     assert sum(s["samples"] for s in shards) == 10 and sum(s["sum"] for s in shards) == 45
     assert sum(s["sumsq"] for s in shards) == sum(i * i for i in data)
     generator = torch.Generator().manual_seed(0)
     sampler = torch.utils.data.RandomSampler(data, generator=generator)
     before = generator.get_state()
-    common.shard_line(0, 0, sampler)
+    course.shard_line(0, 0, sampler)
     assert torch.equal(generator.get_state(), before), "asking must not change what training draws"
 
 
 def test_use_lr_applies_this_runs_lr_and_says_so():
     optimizer = torch.optim.SGD(common.ToyModel().parameters(), lr=0.01)
-    assert common.use_lr(optimizer, 0.01) == ""
-    assert common.use_lr(optimizer, 0.05) == "; --lr 0.05 replaces the checkpoint's 0.01"
+    assert course.use_lr(optimizer, 0.01) == ""
+    assert course.use_lr(optimizer, 0.05) == "; --lr 0.05 replaces the checkpoint's 0.01"
     assert all(g["lr"] == 0.05 for g in optimizer.param_groups)
 
 
@@ -448,9 +449,9 @@ RUN = {"script": "mnist_torchrun.py", "model": "ConvNet", "dataset": "mnist-stan
 
 def test_a_checkpoint_of_this_run_is_continued(tmp_path):
     path = tmp_path / "ck.pt"
-    assert common.resume_state(path, RUN) is None, "no file: start from scratch"
-    common.save_checkpoint(path, RUN, epoch=3, model={"w": torch.ones(2)})
-    state = common.resume_state(path, RUN)
+    assert course.resume_state(path, RUN) is None, "no file: start from scratch"
+    course.save_checkpoint(path, RUN, epoch=3, model={"w": torch.ones(2)})
+    state = course.resume_state(path, RUN)
     assert state["epoch"] == 3 and state["run"] == RUN and state["writer"]["pid"] == os.getpid()
 
 
@@ -462,10 +463,10 @@ def test_a_checkpoint_of_this_run_is_continued(tmp_path):
 ])
 def test_a_checkpoint_of_another_run_is_refused_and_left_as_it_is(tmp_path, other, words):
     path = tmp_path / "ck.pt"
-    common.save_checkpoint(path, other, epoch=1)
+    course.save_checkpoint(path, other, epoch=1)
     before = path.read_bytes()
-    with pytest.raises(common.UsageError) as err:
-        common.resume_state(path, RUN)
+    with pytest.raises(course.UsageError) as err:
+        course.resume_state(path, RUN)
     assert str(path) in str(err.value) and words in str(err.value) and "another --checkpoint-dir" in str(err.value)
     assert path.read_bytes() == before
 
@@ -476,11 +477,11 @@ def test_a_damaged_checkpoint_is_named_in_one_line_and_left_as_it_is(tmp_path, d
     if damage == "random":
         path.write_bytes(os.urandom(5000))
     else:
-        common.save_checkpoint(path, RUN, epoch=1, model=common.ConvNet().state_dict())
+        course.save_checkpoint(path, RUN, epoch=1, model=common.ConvNet().state_dict())
         path.write_bytes(path.read_bytes()[:3000])
     before = path.read_bytes()
-    with pytest.raises(common.UsageError, match="is damaged or not a checkpoint") as err:
-        common.resume_state(path, RUN)
+    with pytest.raises(course.UsageError, match="is damaged or not a checkpoint") as err:
+        course.resume_state(path, RUN)
     message = str(err.value)
     assert str(path) in message and "weights_only" not in message and "\n" not in message
     assert path.read_bytes() == before
@@ -490,27 +491,27 @@ def test_a_checkpoint_another_running_job_writes_is_refused(tmp_path):
     path = tmp_path / "ck.pt"
     other = subprocess.Popen(["sleep", "30"])
     try:
-        writer = {"host": socket.gethostname(), "pid": other.pid, "started": common._start_time(other.pid)}
-        common.atomic_save({"run": RUN, "writer": writer, "epoch": 1}, path)
-        with pytest.raises(common.UsageError, match=f"still running \\(pid {other.pid}\\)"):
-            common.resume_state(path, RUN)
+        writer = {"host": socket.gethostname(), "pid": other.pid, "started": course._start_time(other.pid)}
+        course.atomic_save({"run": RUN, "writer": writer, "epoch": 1}, path)
+        with pytest.raises(course.UsageError, match=f"still running \\(pid {other.pid}\\)"):
+            course.resume_state(path, RUN)
     finally:
         other.kill()
         other.wait()
-    assert common.resume_state(path, RUN)["epoch"] == 1, "once that job has ended, its checkpoint is continued"
+    assert course.resume_state(path, RUN)["epoch"] == 1, "once that job has ended, its checkpoint is continued"
 
 
 def test_an_unwritable_checkpoint_dir_is_refused_before_training(capsys):
     parser = _parser()
     with pytest.raises(SystemExit):
-        common.check_args(parser, parser.parse_args(["--checkpoint-dir", "/proc/no/such/folder"]))
+        course.check_args(parser, parser.parse_args(["--checkpoint-dir", "/proc/no/such/folder"]))
     assert "--checkpoint-dir /proc/no/such/folder cannot be created" in capsys.readouterr().err
 
 
 def test_files_get_the_mode_the_umask_gives(tmp_path):
     old = os.umask(0o022)
     try:
-        path = common.atomic_save({"x": 1}, tmp_path / "ck.pt")
+        path = course.atomic_save({"x": 1}, tmp_path / "ck.pt")
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, "mkstemp's 0600 would hide it from other users"
     finally:
         os.umask(old)
@@ -522,7 +523,7 @@ def test_files_get_the_mode_the_umask_gives(tmp_path):
 @pytest.mark.parametrize("damage", ["deleted", "truncated"])
 def test_a_damaged_standin_is_written_again(tmp_path, damage, capsys):
     common.prepare_data("mnist-standin", tmp_path)
-    victim = tmp_path / common.STANDIN_SUBDIR / "MNIST" / "raw" / "t10k-images-idx3-ubyte"
+    victim = tmp_path / data.STANDIN_SUBDIR / "MNIST" / "raw" / "t10k-images-idx3-ubyte"
     good = victim.read_bytes()
     if damage == "deleted":
         victim.unlink()
@@ -539,20 +540,20 @@ def test_a_missing_real_file_is_named(tmp_path, monkeypatch):
     standins.write_mnist_standin(tmp_path, sizes=(20, 10))  # real-format files where real MNIST lives
     (tmp_path / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").unlink()
     monkeypatch.setattr(common, "try_download", lambda *a, **k: "URLError: no network")
-    with pytest.raises(common.UsageError, match="t10k-labels-idx1-ubyte is missing .*make data"):
+    with pytest.raises(course.UsageError, match="t10k-labels-idx1-ubyte is missing .*make data"):
         common.prepare_data("mnist", tmp_path)
 
 
 def test_a_data_dir_that_cannot_be_created_is_one_line(tmp_path):
-    with pytest.raises(common.UsageError, match="--data-dir /proc/x cannot be created"):
+    with pytest.raises(course.UsageError, match="--data-dir /proc/x cannot be created"):
         common.prepare_data("mnist-standin", "/proc/x")
 
 
 def test_auto_remembers_a_failed_download_for_an_hour(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(common, "try_download", lambda *a, **k: calls.append(1) or "URLError: no network")
-    assert common.prepare_data("auto", tmp_path, quiet=True) == "mnist-standin"
-    assert common.prepare_data("auto", tmp_path, quiet=True) == "mnist-standin"
+    assert data.prepare("auto", tmp_path, quiet=True) == "mnist-standin"
+    assert data.prepare("auto", tmp_path, quiet=True) == "mnist-standin"
     assert len(calls) == 1, "the second run does not wait for the network again"
 
 
@@ -564,11 +565,11 @@ def test_each_cpu_process_gets_its_share_of_the_cores_unless_omp_num_threads_is_
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         cores = len(os.sched_getaffinity(0))
-        assert common.share_cpu_threads(2) == max(1, cores // 2) == torch.get_num_threads()
+        assert course.share_cpu_threads(2) == max(1, cores // 2) == torch.get_num_threads()
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
         mine = max(1, cores // 2) + 1  # a count share_cpu_threads would never choose
         torch.set_num_threads(mine)
-        assert common.share_cpu_threads(2) == mine == torch.get_num_threads()  # the user's setting wins
+        assert course.share_cpu_threads(2) == mine == torch.get_num_threads()  # the user's setting wins
     finally:
         torch.set_num_threads(before)
 
@@ -611,14 +612,14 @@ def test_a_gradscaler_without_a_device_warns_on_a_machine_without_cuda():
 
 def test_the_progress_bar_is_rank_0s_on_stderr_and_tqdm_disable_turns_it_off(monkeypatch, capsys):
     items = [1, 2, 3]
-    assert common.progress(items, rank=1) is items  # other ranks: no bar at all
+    assert course.progress(items, rank=1) is items  # other ranks: no bar at all
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
-    bar = common.progress(items, rank=0)
+    bar = course.progress(items, rank=0)
     assert not bar.disable
     bar.close()
     drawn = capsys.readouterr()
     assert "0/3" in drawn.err and drawn.out == ""
-    code = "import common; bar = common.progress([1, 2, 3], rank=0); print(bar.disable, list(bar))"
+    code = "import common; bar = course.progress([1, 2, 3], rank=0); print(bar.disable, list(bar))"
     res = subprocess.run([PYTHON, "-c", code], env={**os.environ, "TQDM_DISABLE": "1"}, capture_output=True,
                          text=True, timeout=120)  # tqdm reads TQDM_* when it is imported
     assert res.stdout.split() == ["True", "[1,", "2,", "3]"] and "0/3" not in res.stderr, res
@@ -630,6 +631,6 @@ def test_a_mistake_is_said_by_local_rank_0_of_each_node_only(monkeypatch, capsys
     for name, value in (("RANK", rank), ("LOCAL_RANK", local_rank), ("WORLD_SIZE", "4")):
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as ended:
-        common.training_parser("A script.").error("--data-dir /x is not writable")
+        course.training_parser("A script.").error("--data-dir /x is not writable")
     assert ended.value.code == 2
     assert ("error: --data-dir /x is not writable" in capsys.readouterr().err) is speaks

@@ -11,6 +11,7 @@ import time
 import pytest
 
 import common
+from tools import course
 from harness import DEAD_PROXY, REPO, TAG, TORCHRUN, kill_tagged, make, python, run, wait_gone
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
@@ -38,7 +39,7 @@ def test_a_mistake_under_torchrun_is_one_line_said_once(variables, words):
 
 
 def test_nccl_without_enough_gpus_is_one_line():
-    gpus = common.gpu_count()
+    gpus = course.gpu_count()
     res = make("ddp-torchrun", f"NPROC={gpus + 1}", "BACKEND=nccl", expect_rc=2, timeout=60)
     assert ("nccl needs CUDA GPUs" if gpus == 0 else "NCCL needs one GPU per process") in one_line(res.stderr)
 
@@ -53,7 +54,7 @@ def test_real_data_offline_is_one_line(tmp_path):
 def test_a_checkpoint_of_another_run_stops_every_rank_with_one_line_once(data_dir, tmp_path):
     """Under torchrun itself (no make): every rank refuses, only rank 0 says it, the file stays as it was."""
     foreign = tmp_path / "mnist_torchrun.pt"
-    common.save_checkpoint(foreign, {"script": "mnist_amp_syncbn.py", "model": "ConvNet", "dataset": "mnist-standin",
+    course.save_checkpoint(foreign, {"script": "mnist_amp_syncbn.py", "model": "ConvNet", "dataset": "mnist-standin",
                                      "amp": "bf16"}, epoch=1)
     before = foreign.read_bytes()
     res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "03_ddp_torchrun/mnist_torchrun.py",
@@ -72,7 +73,7 @@ def test_an_existing_checkpoint_is_continued_never_overwritten(data_dir, tmp_pat
     assert saved.read_bytes() == before, "a fresh run must not replace a finished one"
     longer = python("01_dataparallel/mnist_single.py", *args, "--epochs", "3", "--lr", "0.02", timeout=120)
     assert f"resumed from {saved} after epoch 2; --lr 0.02 replaces the checkpoint's 0.01" in longer.stdout
-    assert longer.final["epochs"] == 3 and common.load_checkpoint(saved)["epoch"] == 3
+    assert longer.final["epochs"] == 3 and course.load_checkpoint(saved)["epoch"] == 3
 
 
 @pytest.mark.parametrize("procs, refused", [(100000, True), (3, False)])
@@ -82,7 +83,7 @@ def test_nproc_is_checked_against_memory_and_cores(procs, refused):
         assert "processes need about 100000 GB of memory" in one_line(res.stderr)
     else:
         cores = len(os.sched_getaffinity(0))
-        assert ("WARNING: 3 processes on" in res.stdout) == (3 > cores and common.gpu_count() == 0)
+        assert ("WARNING: 3 processes on" in res.stdout) == (3 > cores and course.gpu_count() == 0)
 
 
 def start_tagged(cmd, tag, wait_for: str, timeout: float = 60) -> subprocess.Popen:

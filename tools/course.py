@@ -1,0 +1,597 @@
+"""The course's own machinery, which no lesson needs: one-line argument errors, the checks the make targets'
+preflight makes, the runtime report, printing and parsing of the `kind: key=value` lines, atomic checkpoints,
+weight digests. The demos of sections 02-06 and the benchmarks use it; the MNIST chain scripts do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
+from tqdm import tqdm
+
+import common
+from common import CIFAR_DATASETS, MNIST_DATASETS, free_port  # noqa: F401 - re-exported for the demos
+
+# --------------------------------------------------------------------------- command line
+
+
+class UsageError(ValueError):
+    """A request that cannot work; the message says what to do instead."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a mistake reported in one line (no usage block), and once per node.
+
+    Under torchrun every process parses the same command line; only local rank 0 of each node (or a process
+    started without a launcher) prints the error, and every process exits with code 2. Once per node, not per
+    job: a node's data or checkpoint folder can fail where rank 0's does not, and only that node can say so.
+    """
+
+    def error(self, message):
+        if _speaks_for_the_job():
+            about_flags = message.startswith(("argument ", "unrecognized arguments", "the following arguments"))
+            hints = [f"the source notes' {flag} -> {NOTES_SPELLINGS[flag]}" for flag in _unrecognized(message)
+                     if flag in NOTES_SPELLINGS]
+            said = "; ".join(hints) if hints else "--help lists them" if about_flags else ""
+            sys.stderr.write(f"{self.prog}: error: {message}{f' ({said})' if said else ''}\n")
+        self.exit(2)
+
+
+# flags of the source notes' scripts that a course script does not take, and what it takes instead
+NOTES_SPELLINGS = {
+    "--num_epochs": "--epochs", "--learning_rate": "--lr", "--random_seed": "--seed",
+    "--model_dir": "--checkpoint-dir", "--model_filename": "--checkpoint-dir (the file name is fixed)",
+    "--resume": "nothing: a run continues the checkpoint in --checkpoint-dir by itself",
+    "--local_world_size": "one process per GPU, torchrun --nproc-per-node N (DDP(device_ids=[a, b]) raises)",
+    "--master_addr": "--init-method tcp://ADDR:PORT in 04_multinode_tcp (or torchrun --master-addr)",
+    "--master_port": "--init-method tcp://ADDR:PORT in 04_multinode_tcp (or torchrun --master-port)",
+    "--node_rank": "torchrun's --node-rank (or 04_multinode_tcp/mnist_tcp.py --node-rank)",
+    "--nproc_per_node": "torchrun's --nproc-per-node", "--world_size": "torchrun's --nnodes x --nproc-per-node",
+    "-g": "CUDA_VISIBLE_DEVICES=N in front of the command", "--gpuid": "CUDA_VISIBLE_DEVICES=N in front of the command",
+}
+
+
+def _unrecognized(message: str) -> list[str]:
+    if not message.startswith("unrecognized arguments:"):
+        return []
+    return [word.split("=")[0] for word in message.split(":", 1)[1].split() if word.startswith("-")]
+
+
+def _speaks_for_the_job() -> bool:
+    """Local rank 0 speaks for its node (rank 0 for the job); so does a process started alone, or one whose RANK
+    makes no sense."""
+    try:
+        rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return True
+    return rank == 0 or os.environ.get("LOCAL_RANK") == "0" or not 0 <= rank < size
+
+
+def training_parser(doc: str, *, amp: bool = False, **defaults) -> ArgumentParser:
+    """The parser of a training script: the module docstring's first sentence as description, the shared flags.
+
+    Scripts with mixed precision (amp=True) get --amp and the source notes' --use_mix_precision; the others
+    refuse --use_mix_precision with a pointer to step 6.
+    """
+    parser = ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
+    add_common_args(parser, **defaults)
+    if amp:
+        parser.add_argument("--amp", default="auto", choices=("auto", "off", "fp16", "bf16"),
+                            help="mixed precision; auto = fp16 on CUDA, bf16 on CPU")
+        parser.add_argument("--use_mix_precision", "--use-mix-precision", action="store_const", const="fp16",
+                            dest="amp", help="the source notes' spelling of --amp fp16")
+    else:
+        refuse(parser, "--use_mix_precision", "--use-mix-precision", why="mixed precision is the lesson of step 6: "
+               "06_amp_syncbn/mnist_amp_syncbn.py --use_mix_precision (or --amp fp16)")
+    if not defaults.get("distributed", True):
+        refuse(parser, "-g", "--gpuid", why="one process uses the first visible GPU: choose it with "
+               "CUDA_VISIBLE_DEVICES=N in front of the command (or --device cpu)")
+    return parser
+
+
+def _number(kind, low: float, low_ok: bool, what: str):
+    """An argparse type: a finite number of `kind` above `low` (or equal to it when low_ok)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not low_ok):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+positive_int = _number(int, 1, True, "a whole number of at least 1")
+
+count_or_zero = _number(int, 0, True, "0 (off) or a positive whole number")
+
+positive_float = _number(float, 0.0, False, "a positive number")
+
+
+def add_common_args(parser: argparse.ArgumentParser, *, family: str = "mnist", epochs: int = 2,
+                    batch_size: int = 64, lr: float = 0.01, distributed: bool = True) -> None:
+    """The flags every training script shares (see the course README for their meaning).
+
+    Their types check the numbers, so that `--lr nan` or `--epochs -1` end in one line of argparse.
+    """
+    parser.family = family  # check_args prepares this family's data under COURSE_CHECK_ONLY=1
+    choices = MNIST_DATASETS if family == "mnist" else CIFAR_DATASETS
+    parser.add_argument("--epochs", "-e", type=positive_int, default=epochs,
+                        help="passes over the training set (default %(default)s)")
+    parser.add_argument("--batch-size", "--batch_size", "-b", type=positive_int, default=batch_size,
+                        help="samples per step per process (default %(default)s)")
+    parser.add_argument("--lr", type=positive_float, default=lr, help="learning rate (default %(default)s)")
+    parser.add_argument("--dataset", default="auto", choices=choices,
+                        help="real data, the offline stand-in, or auto: real when present or downloadable")
+    parser.add_argument("--data-dir", default="data", help="where data sets live (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
+    parser.add_argument("--max-steps", type=count_or_zero, default=0,
+                        help="stop each epoch after this many steps; 0 = whole epoch (for smoke runs)")
+    parser.add_argument("--log-every", type=count_or_zero, default=0,
+                        help="print the training loss every N steps (rank 0); 0 = only once per epoch")
+    parser.add_argument("--checkpoint-dir", default="",
+                        help="write a checkpoint here after every epoch, and continue from it (default: none)")
+    parser.add_argument("--show-shards", action="store_true",
+                        help="print, per rank and epoch, a digest of the samples it trains on (the tests use it)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="auto = CUDA when there is a GPU for every process, else CPU")
+    if distributed:
+        parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                            help="auto = NCCL on CUDA, Gloo on CPU")
+        parser.add_argument("--timeout", type=positive_float, default=60.0,
+                            help="seconds any collective may wait before the job fails (default %(default)s)")
+
+
+def local_rank_arg(text: str) -> int:
+    """--local-rank as the deprecated torch.distributed.launch passes it: one whole number."""
+    if "," in text:
+        raise argparse.ArgumentTypeError(f"got {text!r}: torchrun gives every process its own LOCAL_RANK; drop "
+                                          f"--local_rank from the command line")
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def accept_local_rank(parser: argparse.ArgumentParser) -> None:
+    """--local-rank and --local_rank, which the deprecated torch.distributed.launch passes (2.0 and later, and
+    before); a LOCAL_RANK in the environment (torchrun's way) wins. The value is args.local_rank (-1: none)."""
+    parser.add_argument("--local-rank", "--local_rank", type=local_rank_arg, default=-1, dest="local_rank",
+                        help="set by the deprecated torch.distributed.launch; LOCAL_RANK wins when set")
+
+
+def refuse(parser: argparse.ArgumentParser, *flags: str, why: str) -> None:
+    """Accept a flag as the source notes spell it, only to say in one line what the course does instead."""
+    class Refuse(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{option_string}: {why}")
+
+    parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
+
+
+def check_args(parser: argparse.ArgumentParser, args, *, rank: int = 0, world_size: int = 1, local_rank: int = 0,
+               procs_per_node: int = 1) -> tuple[torch.device, str | None]:
+    """Check the shared flags and this process's place in the job (PyTorch checks neither the ranks nor a
+    file:// --init-method), then choose its device and backend and return them.
+
+    Any mistake ends the program with one line (parser.error) before anything starts.
+    See choose_device for the choice; single-process scripts get backend None.
+
+    With COURSE_CHECK_ONLY=1 in the environment the script stops here, after preparing the data
+    (exit code 0 when everything is usable): the make targets run that once before torchrun starts
+    N processes, so that a mistake is one line, not one traceback per process plus torchrun's summary.
+    """
+    data_dir = Path(args.data_dir)
+    if data_dir.exists() and not data_dir.is_dir():
+        parser.error(f"--data-dir {data_dir} is not a directory")
+    if data_dir.exists() and not os.access(data_dir, os.R_OK | os.X_OK):
+        parser.error(f"--data-dir {data_dir} is not readable")
+    if not 0 <= rank < world_size or local_rank < 0:
+        parser.error(f"rank {rank}, local rank {local_rank}, world size {world_size}: ranks run from 0 to "
+                     f"world size - 1 (nodes x processes per node), local ranks from 0")
+    try:
+        if getattr(args, "checkpoint_dir", ""):
+            _check_checkpoint_dir(Path(args.checkpoint_dir))
+        if getattr(args, "init_method", None):
+            _check_init_method(args.init_method)
+        placed = choose_device(args.device, getattr(args, "backend", None), local_rank=local_rank,
+                               procs_per_node=procs_per_node)
+        if os.environ.get("COURSE_CHECK_ONLY") == "1":
+            from tools import data
+
+            data.prepare(args.dataset, args.data_dir, family=getattr(parser, "family", "mnist"))
+            parser.exit(0)
+        return placed
+    except UsageError as err:
+        parser.error(str(err))
+
+
+def _check_checkpoint_dir(folder: Path) -> None:
+    """Make the checkpoint folder, or say in one line why it cannot be written (before any training)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--checkpoint-dir {folder} cannot be created: {err.strerror or err}") from None
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--checkpoint-dir {folder} is not a writable folder")
+
+
+def _check_init_method(init_method: str) -> None:
+    """tcp://HOST:PORT, or file:// of a new file in a writable folder: anything else fails later, or hangs."""
+    if init_method.startswith("tcp://"):
+        return
+    if not init_method.startswith("file://"):
+        raise UsageError("--init-method must be tcp://HOST:PORT (rank 0's address) or file://PATH (a new file)")
+    path = Path(init_method[len("file://"):])
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise UsageError(f"{init_method}: the folder {path.parent} does not exist or is not writable")
+    if path.exists() and time.time() - path.stat().st_mtime > 60:
+        raise UsageError(f"{init_method} already exists, left by an earlier job: a file:// path must be new for "
+                         f"every job (delete it or pick another name)")
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def gpu_count() -> int:
+    """The CUDA GPUs this process can use (common.usable_gpus)."""
+    return common.usable_gpus()
+
+
+def _too_old_gpus(count: int) -> list[str]:
+    """The visible GPUs whose compute capability is below the lowest this build was compiled for."""
+    low = _lowest_arch()
+    return [f"{torch.cuda.get_device_name(i)} ({'.'.join(map(str, torch.cuda.get_device_capability(i)))})"
+            for i in range(count) if low and torch.cuda.get_device_capability(i) < low]
+
+
+def _lowest_arch() -> tuple[int, int] | None:
+    """The oldest GPU generation this torch build has kernels for, as (major, minor): (7, 5) for sm_75."""
+    archs = [int(a[3:]) for a in torch.cuda.get_arch_list() if a.startswith("sm_") and a[3:].isdigit()]
+    return (min(archs) // 10, min(archs) % 10) if archs else None
+
+
+def choose_device(device: str = "auto", backend: str | None = "auto", *, local_rank: int = 0,
+                  procs_per_node: int = 1) -> tuple[torch.device, str | None]:
+    """This process's device and the process group backend, from --device and --backend.
+
+    auto: CUDA + NCCL when the node has a GPU for every process (local rank r uses cuda:r), otherwise
+    CPU + Gloo. `--device cuda --backend gloo` with fewer GPUs than processes lets processes share
+    GPUs (local rank r uses cuda:r % GPUs): every CUDA code path runs, but not NCCL, which refuses
+    two processes on one GPU. backend=None is for single-process scripts. A request that cannot
+    work raises UsageError with what to do instead.
+    """
+    gpus = gpu_count()
+    if procs_per_node < 1:
+        raise UsageError(f"the number of processes per node must be at least 1, got {procs_per_node}")
+    if device == "cuda" and gpus == 0:
+        raise UsageError("--device cuda: no usable CUDA GPU is visible here (see the NOTE above); use --device cpu")
+    if backend == "nccl":
+        if gpus == 0:
+            raise UsageError("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo on a CPU machine")
+        if device == "cpu":
+            raise UsageError("--backend nccl works on CUDA tensors only; drop --device cpu or use --backend gloo")
+    wants_nccl = backend == "nccl" or (backend == "auto" and device == "cuda")
+    if wants_nccl and procs_per_node > gpus:
+        raise UsageError(f"NCCL needs one GPU per process: {procs_per_node} processes per node but {gpus} GPU(s) "
+                         f"here. Start at most {gpus} per node (NPROC={gpus}), or add --backend gloo to let "
+                         f"processes share GPUs")
+    if device == "auto":
+        device = "cuda" if 0 < procs_per_node <= gpus else "cpu"
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cpu":
+        return torch.device("cpu"), backend
+    return torch.device("cuda", local_rank % gpus), backend
+
+
+_DRIVER_FLOOR = {"13": "580", "12": "525", "11": "450"}
+
+
+def runtime_report(device: torch.device, backend: str | None = None, procs_per_node: int = 1,
+                   gpus_per_process: int = 1) -> str:
+    """What a run is about to use, for the first lines a script prints: torch, CUDA, the GPUs seen, this
+    run's device and backend, and a NOTE wherever the run is not what a GPU user would expect."""
+    gpus = gpu_count()
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    if gpus:
+        names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
+        seen = f"{gpus} GPU(s): {', '.join(names)}"
+    else:
+        seen = "no CUDA GPU visible"
+    run = f"{procs_per_node} process(es) per node on {device.type}" + (f" with {backend}" if backend else "")
+    lines = [f"torch {torch.__version__} ({build}), {seen}; this run: {run}"]
+    need = procs_per_node * gpus_per_process
+    if gpus and device.type == "cpu":
+        most = gpus // gpus_per_process
+        why = (f"{procs_per_node} process(es) per node need {need} GPUs. Start at most {most} per node "
+               f"(NPROC={most}), or use --device cuda --backend gloo to let processes share GPUs"
+               if need > gpus else "--device cpu was asked for")
+        lines.append(f"NOTE: THIS RUN USES THE CPU although {gpus} GPU(s) are visible: {why}.")
+    elif device.type == "cuda" and need > gpus:
+        lines.append(f"NOTE: {procs_per_node} processes share {gpus} GPU(s) through Gloo (local rank r uses "
+                     f"cuda:r % {gpus}): every CUDA code path runs, NCCL does not. For speed, one GPU per process.")
+    elif not gpus and torch.cuda.is_available():
+        lines.append(f"NOTE: THIS RUN USES THE CPU: this torch build has GPU kernels for compute capability "
+                     f"{'.'.join(map(str, _lowest_arch()))} and newer, and these GPUs are older: "
+                     f"{', '.join(_too_old_gpus(torch.cuda.device_count()))}. Install a torch build for them "
+                     f"(pytorch.org), or keep the CPU.")
+    elif not gpus and torch.version.cuda and shutil.which("nvidia-smi"):
+        floor = _DRIVER_FLOOR.get(torch.version.cuda.split(".")[0], "recent enough")
+        lines.append(f"NOTE: nvidia-smi is installed but torch sees no usable GPU, so this run uses the CPU. This "
+                     f"torch is built for CUDA {torch.version.cuda}: it needs an NVIDIA driver {floor} or newer "
+                     f"(`nvidia-smi` shows yours) and a GPU of compute capability "
+                     f"{'.'.join(map(str, _lowest_arch() or ('?',)))} or newer.")
+    return "\n".join(lines)
+
+
+def share_cpu_threads(procs_per_node: int) -> int:
+    """Give each of `procs_per_node` CPU processes its share of the cores; return the thread count.
+
+    Every process otherwise starts one thread per core, and N processes fight over the same cores.
+    An OMP_NUM_THREADS already in the environment wins, whether you set it or torchrun did (1 for 2+ workers);
+    mp.spawn and hand-started processes get no such default.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, procs_per_node))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def batch_loader(dataset: TensorDataset, batch_size: int, sampler=None, shuffle: bool = False, seed: int = 0,
+                 drop_last: bool = False, pin_memory: bool = False) -> DataLoader:
+    """A DataLoader that fetches each batch with ONE tensor index instead of batch_size __getitem__ calls.
+
+    `sampler` (for example a DistributedSampler) decides which samples; this only groups them.
+    """
+    if sampler is None:
+        sampler = (RandomSampler(dataset, generator=torch.Generator().manual_seed(seed)) if shuffle
+                   else SequentialSampler(dataset))
+    return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last), batch_size=None,
+                      pin_memory=pin_memory)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def resume_state(path: Path | None, run: dict) -> dict | None:
+    """The checkpoint a run continues from, or None when it starts from scratch.
+
+    `run` says what the checkpoint must belong to (script, model, data set, settings that must match). One rule
+    for every script: an existing checkpoint is continued, or refused in one line (UsageError), never
+    overwritten by a fresh run. Refused, and left untouched: a damaged file, one from another kind of run, and
+    one that another job on this machine is still writing.
+    """
+    if path is None or not path.exists():
+        return None
+    state = load_checkpoint(path)
+    saved = state.get("run", {}) if isinstance(state, dict) else {}
+    keys = list(run) + [key for key in saved if key not in run]  # what this run says, then what only the file says
+    wrong = [f"{key} {saved.get(key)!r} there, {run.get(key)!r} here" for key in keys if saved.get(key) != run.get(key)]
+    if wrong:
+        raise UsageError(f"{path} belongs to another run ({'; '.join(wrong)}). It was left as it is: use another "
+                         f"--checkpoint-dir, or delete the file to start over")
+    writer = state.get("writer", {})
+    if (writer.get("host") == socket.gethostname() and writer.get("pid") != os.getpid()
+            and writer.get("started") and _start_time(writer["pid"]) == writer["started"]):
+        raise UsageError(f"{path} is being written by another job that is still running (pid {writer['pid']}). "
+                         f"Wait for it to end, or use another --checkpoint-dir")
+    return state
+
+
+def load_checkpoint(path) -> dict:
+    """A checkpoint written by atomic_save, loaded onto the CPU with weights_only=True.
+
+    map_location="cpu" keeps RNG states where torch wants them; load_state_dict then copies the
+    weights to wherever the model is, and an optimizer moves its state to its parameters' device.
+    A damaged file ends in one line (UsageError) that names it; the file is left as it is.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - truncated, random bytes, not a torch file: all the same to a user
+        raise UsageError(f"{path} is damaged or not a checkpoint (torch.load: {type(err).__name__}). It was left as "
+                         f"it is: move it away, or use another --checkpoint-dir, to start over") from None
+
+
+def save_checkpoint(path: Path, run: dict, **state) -> Path:
+    """atomic_save of `state`, with what the run is (see resume_state) and which process wrote it."""
+    return atomic_save({"run": run, "writer": _this_process(), **state}, path)
+
+
+def _this_process() -> dict:
+    """Who writes a checkpoint: host, pid, and the pid's start time (so that a reused pid is not taken for it)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid())}
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start, as boot id + clock ticks since boot (Linux); None where /proc does not tell."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return None
+
+
+def rng_state() -> dict:
+    """Python's and torch's RNG states, and this process's current GPU's, in a form that
+    torch.load(weights_only=True) accepts. Only the current GPU: the file must load on a machine with fewer."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what rng_state() saved, however the checkpoint was loaded.
+
+    torch.set_rng_state accepts only a CPU ByteTensor ("RNG state must be a torch.ByteTensor"); a
+    checkpoint loaded with map_location=<a GPU> has put the saved states on that GPU: .cpu() brings them back.
+    """
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())  # the current GPU's
+
+
+def use_lr(optimizer: torch.optim.Optimizer, lr: float) -> str:
+    """Give every parameter group this run's --lr (a resumed optimizer brings back the saved one).
+
+    Returns a note for the log when that changes the learning rate, else "".
+    """
+    saved = optimizer.param_groups[0]["lr"]
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return f"; --lr {lr:g} replaces the checkpoint's {saved:g}" if saved != lr else ""
+
+
+# --------------------------------------------------------------------------- printing, progress, evaluation
+
+
+def say(*parts) -> None:
+    """Print one line in a single write, so that lines from several processes never mix mid-line.
+
+    (print() writes the text and the newline separately; another process can write in between.)
+    """
+    sys.stdout.write(" ".join(str(p) for p in parts) + "\n")
+    sys.stdout.flush()
+
+
+def print0(rank: int, *parts) -> None:
+    """Print one whole line, from rank 0 only (other ranks stay quiet)."""
+    if rank == 0:
+        say(*parts)
+
+
+def progress(iterable, rank: int, desc: str = "", total: int | None = None):
+    """A tqdm bar on rank 0; on other ranks the bare iterable."""
+    if rank != 0:
+        return iterable
+    # tqdm's default lock is a multiprocessing semaphore, reported as "leaked" at exit when a worker leaves with
+    # os._exit (workarounds.leave); only rank 0 draws, so a thread lock is all it needs
+    tqdm.set_lock(threading.RLock())
+    interactive = sys.stderr.isatty()
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True,
+                mininterval=0.1 if interactive else 5.0, file=sys.stderr)
+
+
+def line(kind: str, **fields) -> str:
+    """One structured output line, `kind: key=value ...`: floats with 4 decimals, everything else as it is.
+
+    Notebooks and tests read these lines with parse_lines; people read them too.
+    """
+    return f"{kind}: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
+
+
+def parse_lines(text: str, kind: str) -> list[dict]:
+    """Every `kind: key=value ...` line of `text`, as a dict each; plain decimal numbers become int or float."""
+    rows = []
+    for ln in text.splitlines():
+        if ln.startswith(f"{kind}: "):
+            pairs = (pair.partition("=") for pair in ln[len(kind) + 2:].split())
+            rows.append({key: _number_or_text(value) for key, _, value in pairs})
+    return rows
+
+
+def _number_or_text(value: str):
+    if re.fullmatch(r"-?\d+", value):
+        return int(value)
+    return float(value) if re.fullmatch(r"-?\d+\.\d*|nan|-?inf", value) else value
+
+
+@torch.no_grad()  # no graph: evaluation keeps no activations for a backward that never comes
+def final_line(*, test_acc: float, test_samples: int, world_size: int, epochs: int, seconds: float,
+               dataset: str, **extra) -> str:
+    """The summary every training script prints last, on rank 0; tests parse it."""
+    return line("final", test_acc=float(test_acc), test_samples=test_samples, world_size=world_size, epochs=epochs,
+                seconds=f"{seconds:.1f}", dataset=dataset, **extra)
+
+
+def weights_digest(model: nn.Module) -> str:
+    """A short fingerprint (CRC-32) of every parameter and buffer: equal on two ranks only if the bytes are equal."""
+    crc = 0
+    for key, tensor in model.state_dict().items():
+        crc = zlib.crc32(key.encode(), crc)
+        crc = zlib.crc32(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return f"{crc:08x}"
+
+
+def shard_line(rank: int, epoch: int, sampler) -> str:
+    """What this rank trains on in this epoch, in one line: how many samples, their sum and sum of squares
+    (equal totals over the ranks mean the shards cover the data set once), and a fingerprint of their order.
+
+    The sampler's own random generator, if it has one, is left as it was: asking does not change the training.
+    """
+    generator = getattr(sampler, "generator", None)
+    saved = generator.get_state() if generator is not None else None
+    indices = torch.tensor(list(sampler), dtype=torch.int64)
+    if saved is not None:
+        generator.set_state(saved)
+    order = zlib.crc32(indices.numpy().tobytes())
+    return line("shard", rank=rank, epoch=epoch + 1, samples=len(indices), sum=int(indices.sum()),
+                sumsq=int((indices * indices).sum()), order=f"{order:08x}")
+
+
+def worker_error(err: Exception) -> str:
+    """What to say about an mp.spawn worker that failed: the one line of a UsageError, else its whole traceback."""
+    found = re.search(r"^common\.UsageError: (.*)$", str(err), re.M)
+    return f"error: {found.group(1)}" if found else str(err)
+
+
+# --------------------------------------------------------------------------- files and ports
+
+
+def _atomic_write(path, write) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the mode open() would
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself survive a power cut
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(data: bytes, path) -> Path:
+    """Write `data` to `path` so that a crash mid-write leaves the previous file intact."""
+    return _atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_save(obj, path) -> Path:
+    """torch.save through a temp file, fsync and os.replace: a killed save never corrupts `path`."""
+    return _atomic_write(path, lambda f: torch.save(obj, f))

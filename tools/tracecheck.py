@@ -1,0 +1,183 @@
+"""Judge a traced run (tools/tracer.py): did the distributed part do what it must?
+
+    python tools/tracecheck.py TRACE_DIR        # one line per check; exit 1 when one says the run is wrong
+
+Each check gives a verdict: "ok", "wrong" (the training or its numbers are wrong), or "unknown" (the run did
+not show enough, for example a single epoch cannot show whether the order changes between epochs).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.tracer import REDUCTIONS
+
+
+@dataclass
+class Check:
+    name: str
+    verdict: str  # ok | wrong | unknown
+    message: str
+
+    def __str__(self):
+        return f"{self.verdict:7} {self.name:8} {self.message}"
+
+
+def load(trace_dir) -> dict[int, list[dict]]:
+    """The events of the last attempt of the run, per rank (a rank restarted by torchrun: its last process)."""
+    processes = []
+    for path in sorted(Path(trace_dir).glob("trace-*.jsonl")):
+        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        init = next((e for e in events if e["ev"] == "init"), None)
+        if init is not None:
+            processes.append((init["attempt"], init["t"], init["rank"], events))
+    last = max((p[0] for p in processes), default=0)
+    ranks: dict[int, list[dict]] = {}
+    for attempt, _, rank, events in sorted(processes, key=lambda p: (p[0], p[1])):
+        if attempt == last:
+            ranks[rank] = events
+    return ranks
+
+
+def _passes(events, train: bool) -> list[dict]:
+    return [e for e in events if e["ev"] == "loader" and e["train"] == train]
+
+
+def check_shards(ranks) -> Check:
+    name = "shards"
+    epochs = min((len(_passes(ev, True)) for ev in ranks.values()), default=0)
+    if len(ranks) < 2 or not epochs:
+        return Check(name, "unknown", "fewer than 2 ranks or no training pass seen")
+    for epoch in range(epochs):
+        lists = [_passes(ranks[r], True)[epoch] for r in sorted(ranks)]
+        n = lists[0]["dataset_len"]
+        total = sum(len(p["indices"]) for p in lists)
+        shared = total - len(set().union(*(p["indices"] for p in lists)))
+        if shared > len(ranks) - 1:  # more than DistributedSampler's padding
+            how = ("every rank iterates a plain sampler: no DistributedSampler" if lists[0]["sampler"] !=
+                   "DistributedSampler" else "the DistributedSampler's rank or num_replicas is not each rank's own")
+            return Check(name, "wrong", f"epoch {epoch + 1}: the ranks trained on the same samples, {shared} of "
+                                        f"{total} indices more than once ({how}; section 02)")
+        if n and total >= n and len(set().union(*(p["indices"] for p in lists))) != n:
+            return Check(name, "wrong", f"epoch {epoch + 1}: the shards miss samples of the training set")
+    return Check(name, "ok", f"{epochs} epoch(s): the ranks' shards are disjoint and cover the training set")
+
+
+def check_order(ranks) -> Check:
+    name = "order"
+    for rank, events in sorted(ranks.items()):
+        passes = _passes(events, True)
+        if len(passes) < 2:
+            return Check(name, "unknown", "one epoch run: whether the order changes between epochs cannot be seen")
+        orders = [tuple(p["indices"]) for p in passes]
+        if len(set(orders)) < len(orders):
+            calls = sum(e["ev"] == "set_epoch" for e in events)
+            why = "set_epoch is never called" if not calls else f"set_epoch called {calls} time(s), not every epoch"
+            return Check(name, "wrong", f"rank {rank} repeats an epoch's order: {why} (section 02)")
+    return Check(name, "ok", "every rank sees a new order every epoch")
+
+
+def _last_digest(events, when="eval"):
+    found = [e for e in events if e["ev"] == "digest" and e["when"] == when]
+    return found[-1] if found else None
+
+
+def check_ddp(ranks) -> Check:
+    name = "ddp"
+    bare = sorted(r for r, ev in ranks.items() if not any(e["ev"] == "ddp" for e in ev))
+    digests = {r: _last_digest(ev) or _last_digest(ev, "destroy") for r, ev in ranks.items()}
+    params = {r: d["params"] for r, d in digests.items() if d and d["params"]}
+    if bare:
+        return Check(name, "wrong", f"rank(s) {bare} train a model that is not wrapped in DDP: no gradient is "
+                                    f"averaged (section 02)")
+    if len(params) < len(ranks):
+        return Check(name, "unknown", "the weights were not seen on every rank (no evaluation, no optimizer)")
+    if len(set(params.values())) > 1:
+        return Check(name, "wrong", "the ranks end with different weights: the replicas drifted apart")
+    return Check(name, "ok", "every rank trains a DDP model and ends with the same weights")
+
+
+def check_buffers(ranks) -> Check:
+    name = "buffers"
+    buffers = {r: d["buffers"] for r, ev in ranks.items() if (d := _last_digest(ev)) and d["buffers"]}
+    if len(buffers) < len(ranks):
+        return Check(name, "unknown", "no DDP module with buffers seen at an evaluation on every rank")
+    if len(set(buffers.values())) > 1:
+        return Check(name, "wrong", "the BatchNorm running statistics differ per rank when evaluation starts: "
+                                    "broadcast rank 0's buffers first, or use SyncBatchNorm (sections 02, 06)")
+    return Check(name, "ok", "every rank evaluates with the same BatchNorm statistics")
+
+
+def check_eval(ranks) -> Check:
+    name = "eval"
+    passes = {r: _passes(ev, False) for r, ev in ranks.items()}
+    count = min((len(p) for p in passes.values()), default=0)
+    if not count:
+        evaluated = sorted(r for r, p in passes.items() if p)
+        if evaluated and len(evaluated) < len(ranks):
+            return Check(name, "ok", f"only rank(s) {evaluated} evaluate, on the whole test set")
+        return Check(name, "unknown", "no evaluation pass seen (a loader iterated without autograd)")
+    last = [passes[r][count - 1] for r in sorted(passes)]
+    n = last[0]["dataset_len"]
+    total = sum(len(p["indices"]) for p in last)
+    union = len(set().union(*(p["indices"] for p in last)))
+    if total > union:
+        return Check(name, "wrong", f"{total - union} test sample(s) counted more than once: the ranks' evaluation "
+                                    f"parts overlap (a DistributedSampler pads; shard without padding, section 05)")
+    if n and union < n:
+        return Check(name, "wrong", f"{n - union} of {n} test samples never evaluated")
+    return Check(name, "ok", f"every one of the {union} test samples is evaluated once")
+
+
+def check_eval_sum(ranks) -> Check:
+    name = "eval_sum"
+    if len(ranks) < 2:
+        return Check(name, "unknown", "one rank")
+    for rank, events in sorted(ranks.items()):
+        waiting = False
+        for e in events:
+            if e["ev"] == "loader" and not e["train"]:
+                waiting = True
+            elif e["ev"] == "coll" and e["op"] in REDUCTIONS:
+                waiting = False
+            elif waiting and e["ev"] == "loader" and e["train"]:
+                break
+        if waiting:
+            return Check(name, "wrong", f"rank {rank} never combines its evaluation sums with the other ranks' "
+                                        f"(all_reduce or reduce them; section 05)")
+    return Check(name, "ok", "each evaluation is combined across the ranks")
+
+
+def check_writer(ranks) -> Check:
+    name = "writer"
+    writers = defaultdict(set)
+    for rank, events in ranks.items():
+        for e in events:
+            if e["ev"] == "save":
+                writers[e["path"]].add(rank)
+    shared = {path: sorted(rs) for path, rs in writers.items() if len(rs) > 1}
+    if shared:
+        path, rs = next(iter(shared.items()))
+        return Check(name, "wrong", f"ranks {rs} all wrote {Path(path).name}: save on rank 0 only (section 02)")
+    return Check(name, "ok" if writers else "unknown",
+                 "one writer per file" if writers else "no torch.save seen")
+
+
+CHECKS = (check_shards, check_order, check_ddp, check_buffers, check_eval, check_eval_sum, check_writer)
+
+
+def judge(trace_dir) -> list[Check]:
+    ranks = load(trace_dir)
+    if not ranks:
+        return [Check("init", "wrong", "no process of the run joined a process group")]
+    return [check(ranks) for check in CHECKS]
+
+
+if __name__ == "__main__":
+    results = judge(sys.argv[1])
+    print("\n".join(map(str, results)))
+    sys.exit(1 if any(c.verdict == "wrong" for c in results) else 0)

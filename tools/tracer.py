@@ -1,0 +1,186 @@
+"""Watch a DDP run from outside: what each rank trained and evaluated on, its weights, the files it wrote.
+
+The scripts know nothing of it. The tests, the mutation check and `make doctor` start a run with
+COURSE_TRACE=DIR and tools/trace/ on PYTHONPATH (see tools/trace/sitecustomize.py); every process of the run
+then calls install(DIR) at start-up, which wraps a few PyTorch entry points, and appends one JSON line per event
+to DIR/trace-PID.jsonl:
+
+    init      init_process_group: backend, world size, rank, torchrun's restart count
+    loader    a DataLoader starts an epoch: training or evaluation (autograd on or off), the sampler's kind and
+              settings, and every index it will hand out in that pass
+    set_epoch DistributedSampler.set_epoch(epoch)
+    ddp       a DistributedDataParallel wrap
+    digest    when an evaluation starts, and at destroy_process_group: a CRC-32 of the parameters of every
+              optimizer (the trained weights, wrapped in DDP or not) and of the buffers of every DDP module
+    coll      a collective called from Python (all_reduce, reduce, broadcast, all_gather, ...)
+    save      torch.save: the file name
+    destroy   destroy_process_group
+
+Two switches for the harness, both off unless set: COURSE_TRACE_MAX_BATCHES=N ends every training pass after N
+batches (a short run of a user's script), and COURSE_FAIL_AT=RANK:BATCH makes that rank fail when it fetches
+training batch number BATCH (counted over epochs) on torchrun's first attempt (the elastic restart demo).
+tools/tracecheck.py reads the records and judges them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+import weakref
+import zlib
+
+_state = {"dir": None, "pid": None, "file": None, "batches": 0}
+_optimizers: weakref.WeakSet = weakref.WeakSet()
+_ddps: weakref.WeakSet = weakref.WeakSet()
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
+               "gather", "gather_object", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "barrier")
+REDUCTIONS = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "gather",
+              "gather_object", "reduce_scatter", "reduce_scatter_tensor")
+
+
+def _rank():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
+
+
+def record(event: str, **fields) -> None:
+    """Append one event to this process's trace file (reopened after a fork: one file per process)."""
+    if _state["pid"] != os.getpid():
+        _state["pid"] = os.getpid()
+        _state["file"] = open(os.path.join(_state["dir"], f"trace-{os.getpid()}.jsonl"), "a")  # noqa: SIM115
+    line = {"ev": event, "rank": _rank(), "pid": os.getpid(), "t": round(time.time(), 4), **fields}
+    _state["file"].write(json.dumps(line) + "\n")
+    _state["file"].flush()
+
+
+def _crc(tensors) -> str | None:
+    import torch
+
+    crc, seen = 0, False
+    for t in tensors:
+        seen = True
+        crc = zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return f"{crc:08x}" if seen else None
+
+
+def _digest(when: str) -> None:
+    params = [p for opt in _optimizers for group in opt.param_groups for p in group["params"]]
+    buffers = [b for ddp in _ddps for b in ddp.module.buffers()]
+    record("digest", when=when, params=_crc(params), buffers=_crc(buffers), optimizers=len(_optimizers),
+           ddp_modules=len(_ddps))
+
+
+class _Watched:
+    """A DataLoader's sampler (or batch sampler), seen through: records what it hands out, changes nothing."""
+
+    def __init__(self, inner, loader):
+        self._inner, self._loader = inner, loader
+
+    def __len__(self):
+        return len(self._inner)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __iter__(self):
+        return self._epoch()
+
+    def _epoch(self):
+        import torch
+
+        items = list(self._inner)  # at the first batch, when the loader itself would draw them
+        train = torch.is_grad_enabled()
+        sampler = getattr(self._inner, "sampler", self._inner)
+        settings = {key: getattr(sampler, key, None) for key in ("num_replicas", "rank", "shuffle", "seed",
+                                                                  "epoch", "drop_last")}
+        flat = [int(i) for item in items for i in (item if isinstance(item, (list, tuple)) else [item])]
+        dataset = self._loader.dataset
+        while hasattr(dataset, "indices") and hasattr(dataset, "dataset"):  # a Subset: its indices in the base set
+            flat, dataset = [int(dataset.indices[i]) for i in flat], dataset.dataset
+        if not train:
+            _digest("eval")
+        record("loader", train=train, sampler=type(sampler).__name__, settings=settings, indices=flat,
+               batches=len(items), dataset_len=_len(dataset), loader=id(self._loader))
+        limit = int(os.environ.get("COURSE_TRACE_MAX_BATCHES", "0") or 0)
+        fail = os.environ.get("COURSE_FAIL_AT", "")
+        for n, item in enumerate(items):
+            if train and limit and n >= limit:
+                return
+            if train:
+                _state["batches"] += 1
+                if fail and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                    rank, batch = (int(x) for x in fail.split(":"))
+                    if _rank() == rank and _state["batches"] == batch:
+                        raise RuntimeError(f"simulated failure of rank {rank} at training batch {batch} "
+                                           f"(COURSE_FAIL_AT={fail})")
+            yield item
+
+
+def _len(dataset):
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def _wrap(owner, name, before=None, after=None):
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if before:
+            before(*args, **kwargs)
+        out = original(*args, **kwargs)
+        if after:
+            after(out, *args, **kwargs)
+        return out
+
+    setattr(owner, name, wrapper)
+
+
+def install(trace_dir: str) -> None:
+    """Wrap the entry points (once per process) so that every event above lands in trace_dir."""
+    if _state["dir"]:
+        return
+    os.makedirs(trace_dir, exist_ok=True)
+    _state["dir"] = trace_dir
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    index_sampler = DataLoader._index_sampler
+    DataLoader._index_sampler = property(lambda self: _Watched(index_sampler.fget(self), self))
+    _wrap(DistributedSampler, "set_epoch", before=lambda self, epoch: record("set_epoch", epoch=int(epoch)))
+    _wrap(torch.optim.Optimizer, "__init__", after=lambda _, self, *a, **k: _optimizers.add(self))
+
+    def ddp_made(_, self, *args, **kwargs):
+        _ddps.add(self)
+        record("ddp", broadcast_buffers=self.broadcast_buffers, device_ids=[str(d) for d in self.device_ids or []])
+
+    _wrap(DistributedDataParallel, "__init__", after=ddp_made)
+    _wrap(torch, "save", before=lambda obj, f, *a, **k: record("save", path=os.path.abspath(
+        f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", "?"))))
+
+    def initialised(*_, **__):
+        record("init", backend=str(dist.get_backend()), world_size=dist.get_world_size(),
+               attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+               local_rank=os.environ.get("LOCAL_RANK"))
+
+    _wrap(dist, "init_process_group", after=initialised)
+
+    def destroying(group=None, *_, **__):
+        if group is None:
+            _digest("destroy")
+            record("destroy")
+
+    _wrap(dist, "destroy_process_group", before=destroying)
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            _wrap(dist, name, before=functools.partial(lambda op, *_, **__: record("coll", op=op), name))
