@@ -1,128 +1,194 @@
-"""Break the distributed part of a script on purpose and check that a test goes red: proof that the tests test it.
+"""Break the distributed part of each chain script on purpose; a trace check must turn red for every break.
 
-    python tools/mutants.py                      # every mutation (about 3 minutes on 2 cores)
-    python tools/mutants.py --only drop-set-epoch
+    python tools/mutants.py --data-dir DATA                    # every script, every mutation (about a minute)
+    python tools/mutants.py --data-dir DATA --only no-set-epoch --scripts 03_ddp_torchrun/mnist_torchrun.py
     make mutants
 
-Each mutation replaces one piece of 02_ddp_spawn/mnist_spawn.py (the sampler, set_epoch, the DDP wrap, the
-evaluation all_reduce, the buffer broadcast before evaluation) in a copy of the repository, then runs the tests
-that guard it there. First the same tests run on the unchanged copy, which must pass. A mutation is "caught" when
-at least one of its tests fails; the record (bench/results/mutants_<date>.json and .md unless --output-dir says
-otherwise) lists what failed and the assertion that said so, and the sha256 of the script and its tests: the
-test of the record fails once either changes, until `make mutants` runs again. Exit code 1 if a mutation survives.
+For each script the unchanged copy runs first and must pass every check; then each mutation replaces one piece
+of it (the sampler, set_epoch, the DDP wrap, the evaluation all_reduce, the evaluation split, the buffer
+broadcast) in a copy, runs it with 2 ranks for 2 short epochs, and reads the trace (tools/tracer.py) with
+tools/tracecheck.py. A mutation is caught when the check named for it says "wrong". Exit code 1 if any
+mutation survives or an unchanged script fails a check.
+
+The ranks are forked from this process, which imports torch once (a launch costs a second, not ten); they get
+torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), or the tcp:// arguments for mnist_tcp.py,
+and mnist_spawn.py's mp.spawn forks too.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import re
-import shutil
-import subprocess
+import os
+import runpy
+import signal
+import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = "02_ddp_spawn/mnist_spawn.py"
-HEADLINE = ("tests/test_02_ddp_spawn.py::"
-            "test_headline_spawn_run_reaches_97_percent_with_disjoint_shards_and_equal_weights")
+sys.path[:0] = [str(REPO)]
 
-MUTANTS = {  # name: (what it breaks, the original code, the mutated code, the tests that must catch it)
-    "drop-set-epoch": ("every epoch repeats the first epoch's order",
-                       "        sampler.set_epoch(epoch)", "        pass", [HEADLINE]),
-    "drop-the-sampler": ("every rank trains on the whole data set",
-                         "sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,",
-                         "sampler = DistributedSampler(train_set, num_replicas=1, rank=0,", [HEADLINE]),
-    "bare-model-instead-of-DDP": (
-        "no gradient is averaged: each rank trains its own model",
-        '    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)',
-        "    bare = torch.nn.Module()\n    bare.module = model\n    bare.forward = lambda x: bare.module(x)\n"
-        "    model = bare", [HEADLINE]),
-    "drop-eval-all_reduce": ("each rank reports the accuracy of its own part of the test set",
-                             "        dist.all_reduce(totals)", "        pass", [HEADLINE]),
-    "drop-buffer-broadcast": ("the ranks' BatchNorm statistics differ after the last step",
-                              "            dist.broadcast(buffer, src=0)", "            pass", [HEADLINE]),
+from tools import tracecheck, tracer  # noqa: E402
+
+SCRIPTS = {  # script: how its ranks start
+    "02_ddp_spawn/mnist_spawn.py": "spawn",
+    "03_ddp_torchrun/mnist_torchrun.py": "torchrun",
+    "04_multinode_tcp/mnist_tcp.py": "tcp",
+    "06_amp_syncbn/mnist_amp_syncbn.py": "torchrun",
+}
+
+MUTANTS = {  # name: (what it breaks, the original code, the mutated code, the check that must catch it)
+    "no-sampler": ("every rank trains on the whole data set",
+                   "DistributedSampler(train_set, num_replicas=world_size, rank=rank,",
+                   "DistributedSampler(train_set, num_replicas=1, rank=0,", "shards"),
+    "sampler-rank-0": ("every rank takes rank 0's shard",
+                       "num_replicas=world_size, rank=rank,", "num_replicas=world_size, rank=0,", "shards"),
+    "no-set-epoch": ("every epoch repeats the first epoch's order",
+                     "        sampler.set_epoch(epoch)", "        pass", "order"),
+    "bare-model": ("no gradient is averaged: each rank trains its own model",
+                   "model = DDP(model,", "model = torch.nn.DataParallel(model,", "ddp"),
+    "no-eval-all-reduce": ("each rank reports its own part of the test set",
+                           "        dist.all_reduce(totals)", "        pass", "eval_sum"),
+    "same-eval-part": ("every rank evaluates the same part of the test set",
+                       "range(rank, len(test_set), world_size)", "range(0, len(test_set), world_size)", "eval"),
+    "no-buffer-broadcast": ("every rank evaluates with its own BatchNorm statistics",
+                            "            dist.broadcast(buffer, src=0)", "            pass", "buffers"),
 }
 
 
-def copy_repo(dest: Path) -> None:
-    """The tracked files (times kept, so that make sees nothing new) and the same virtualenv."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for name in files:
-        if (REPO / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, dest / name)
-    (dest / ".venv").symlink_to(REPO / ".venv")
+def mutate(source: str, name: str) -> str:
+    _, old, new, _ = MUTANTS[name]
+    if source.count(old) != 1:
+        raise ValueError(f"mutation {name}: {old!r} found {source.count(old)} times, not once")
+    return source.replace(old, new)
 
 
-def sources() -> dict:
-    """sha256 of the mutated script and of the test files that guard it: a record is current only for these."""
-    files = [SCRIPT] + sorted({t.split("::")[0] for m in MUTANTS.values() for t in m[3]})
-    return {name: hashlib.sha256((REPO / name).read_bytes()).hexdigest() for name in files}
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def run_tests(where: Path, tests: list[str]) -> dict:
-    start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=where,
-                          capture_output=True, text=True, timeout=900)
-    failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
-    lines = proc.stdout.splitlines()
-    # the failing statement (pytest marks it with ">") and the first line of what it said
-    where = [ln[1:].strip() for ln in lines if ln.startswith(">") and "assert" in ln][:1]
-    said = [ln[2:].strip() for ln in lines if ln.startswith("E ")][:1]
-    return {"exit_code": proc.returncode, "failed": failed, "assertion": " / ".join(where + said),
-            "seconds": round(time.time() - start, 1)}
+def _child(script: Path, argv: list[str], env: dict, trace_dir: Path, log: Path) -> None:
+    """In a forked process: run `script` as __main__ with a fresh trace, and never return."""
+    code = 1
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.environ.update(env)
+        tracer._state.update(dir=str(trace_dir), pid=None, batches=0)
+        import torch
+
+        torch.set_num_threads(1)
+        sys.argv, sys.path[0] = [str(script), *argv], str(script.parent)
+        if env.get("COURSE_FORK_SPAWN"):  # mp.spawn, but forking: no fresh interpreter per rank
+            import torch.multiprocessing as mp
+
+            mp.spawn = lambda fn, args=(), nprocs=1, join=True, **_: mp.start_processes(
+                fn, args, nprocs, join, start_method="fork")
+        runpy.run_path(str(script), run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the traceback goes to the log
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="comma-separated mutation names (default: all)")
-    parser.add_argument("--output-dir", default="bench/results")
-    args = parser.parse_args()
-    names = args.only.split(",") if args.only else list(MUTANTS)
-    if set(names) - set(MUTANTS):
-        parser.error(f"--only: unknown {sorted(set(names) - set(MUTANTS))}; choose from {', '.join(MUTANTS)}")
-    record = {"script": SCRIPT, "date": time.strftime("%Y-%m-%d %H:%M"), "sources": sources(), "mutants": {}}
-    with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
-        copy = Path(tmp)
-        copy_repo(copy)
-        target = copy / SCRIPT
-        original = target.read_text()
-        tests = sorted({t for n in names for t in MUTANTS[n][3]})
-        print(f"--- unchanged: {len(tests)} test(s)", flush=True)
-        record["unchanged"] = run_tests(copy, tests)
-        if record["unchanged"]["exit_code"] != 0:
-            print(f"the tests fail without any mutation: {record['unchanged']}", file=sys.stderr)
-            return 1
-        for name in names:
-            what, before, after, guards = MUTANTS[name]
-            if original.count(before) != 1:
-                print(f"{name}: the code to mutate is not in {SCRIPT} exactly once: {before!r}", file=sys.stderr)
-                return 1
-            target.write_text(original.replace(before, after))
-            result = run_tests(copy, guards)
-            target.write_text(original)
-            result.update(breaks=what, caught=result["exit_code"] != 0)
-            record["mutants"][name] = result
-            verdict = f"caught by {', '.join(result['failed'])}" if result["caught"] else "SURVIVED"
-            print(f"--- {name} ({what}): {verdict}\n    {result['assertion'][:200]}", flush=True)
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"mutants_{time.strftime('%Y-%m-%d')}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    lines = [f"# Mutations of {SCRIPT} and the tests that catch them", "",
-             f"{record['date']}; the unchanged copy passed the same tests in {record['unchanged']['seconds']} s.", "",
-             "| mutation | what it breaks | caught | failed test | the assertion |", "|---|---|---|---|---|"]
-    for name, r in record["mutants"].items():
-        lines.append(f"| {name} | {r['breaks']} | {'yes' if r['caught'] else 'NO'} | "
-                     f"{', '.join(t.split('::')[-1] for t in r['failed'])} | `{r['assertion'][:120]}` |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"written: {stem}.json, {stem}.md")
-    return 0 if all(r["caught"] for r in record["mutants"].values()) else 1
+def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float = 120) -> tuple[list[int], str]:
+    """Start the ranks of `script` (2 of them) and wait; (exit codes, their output)."""
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    if how == "spawn":
+        ranks = [([*args, "--nproc", "2"], {**base, "COURSE_FORK_SPAWN": "1"})]
+    elif how == "tcp":
+        ranks = [([*args, "--init-method", f"tcp://127.0.0.1:{port}", "--world-size", "2", "--rank", str(r)], base)
+                 for r in range(2)]
+    else:
+        ranks = [(args, {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+                 for r in range(2)]
+    pids = []
+    for r, (argv, env) in enumerate(ranks):
+        log = trace_dir / f"log-{r}.txt"
+        pid = os.fork()
+        if pid == 0:
+            os.setpgid(0, 0)
+            _child(script, argv, env, trace_dir, log)
+        pids.append(pid)
+    codes, deadline = {}, time.time() + timeout
+    while len(codes) < len(pids) and time.time() < deadline:
+        for pid in pids:
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    for pid in pids:
+        if pid not in codes:  # timed out: stop its whole process group (mp.spawn's children too)
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            codes[pid] = -9
+    output = "".join((trace_dir / f"log-{r}.txt").read_text(errors="replace") for r in range(len(ranks)))
+    return [codes[p] for p in pids], output
+
+
+def check_script(rel: str, data_dir: str, work: Path, only: list[str] | None = None) -> list[dict]:
+    """The unchanged script and each mutation of it: one row each (name, exit codes, checks, caught)."""
+    script = REPO / rel
+    args = ["--dataset", "mnist-standin", "--data-dir", data_dir, "--epochs", "2", "--max-steps", "3",
+            "--timeout", "30"]
+    rows = []
+    for name in ["unchanged", *(only or MUTANTS)]:
+        copy = work / name.replace("-", "_") / script.name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        source = script.read_text()
+        copy.write_text(source if name == "unchanged" else mutate(source, name))
+        for helper in script.parent.glob("*.py"):  # what the script imports from its own folder
+            if helper.name != script.name:
+                (copy.parent / helper.name).write_text(helper.read_text())
+        codes, output = run(copy, SCRIPTS[rel], args, copy.parent / "trace")
+        checks = tracecheck.judge(copy.parent / "trace")
+        red = [c.name for c in checks if c.verdict == "wrong"]
+        expected = None if name == "unchanged" else MUTANTS[name][3]
+        ok = (not red and codes == [0] * len(codes)) if expected is None else expected in red
+        rows.append({"script": rel, "mutation": name, "codes": codes, "red": red, "expected": expected, "ok": ok,
+                     "checks": [str(c) for c in checks], "output": output[-3000:]})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Break each chain script's distributed part; the trace must tell.")
+    parser.add_argument("--data-dir", required=True, help="a folder with the MNIST stand-in (made if missing)")
+    parser.add_argument("--scripts", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))
+    parser.add_argument("--only", nargs="+", choices=list(MUTANTS), help="these mutations only")
+    args = parser.parse_args(argv)
+    import common
+
+    common.prepare_data("mnist-standin", args.data_dir)
+    tracer.install(tempfile.mkdtemp(prefix="course-trace-"))
+    failed = 0
+    with tempfile.TemporaryDirectory(prefix="course-mutants-") as work:
+        for rel in args.scripts:
+            for row in check_script(rel, args.data_dir, Path(work) / Path(rel).stem, args.only):
+                what = ("passes every check" if row["expected"] is None else
+                        f"caught by {row['expected']}" if row["ok"] else f"SURVIVED ({row['expected']} stayed green)")
+                if row["expected"] is None and not row["ok"]:
+                    what = f"FAILS: exit codes {row['codes']}, red checks {row['red']}"
+                print(f"{rel:38} {row['mutation']:20} {what}", flush=True)
+                if not row["ok"]:
+                    failed += 1
+                    print("    " + "\n    ".join(row["checks"]) + "\n" + row["output"][-1500:])
+    print(f"{'all caught' if not failed else f'{failed} problem(s)'}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
