@@ -28,7 +28,8 @@ DIST_ARGS  := $(if $(BACKEND),--backend $(BACKEND)) $(TRAIN_ARGS)
 LOCAL_PROCS = $(NPROC)
 comma := ,
 # One process checks the arguments and prepares the data before torchrun starts NPROC of them, so that a mistake
-# is one line instead of one error per process followed by torchrun's failure summary (see course.check_args).
+# is one line instead of one error per process followed by torchrun's failure summary (tools/preflight.py).
+PREFLIGHT = $(PY) tools/preflight.py --nproc $(NPROC)
 CHECK = COURSE_CHECK_ONLY=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=$(NPROC) LOCAL_WORLD_SIZE=$(NPROC) $(PY)
 
 .DEFAULT_GOAL := help
@@ -80,9 +81,11 @@ check-nnodes:
 # ------------------------------------------------------------------ 01: single process and DataParallel
 
 smoke: $(STAMP) ## the single-process MNIST baseline, one epoch on the offline stand-in
+	@$(PY) tools/preflight.py 01_dataparallel/mnist_single.py --dataset mnist-standin --epochs 1 $(ARGS)
 	$(PY) 01_dataparallel/mnist_single.py --dataset mnist-standin --epochs 1 $(ARGS)
 
 dataparallel: $(STAMP) ## MNIST with nn.DataParallel over all visible GPUs (on CPU: the module is called as is)
+	@$(PY) tools/preflight.py 01_dataparallel/mnist_dataparallel.py $(TRAIN_ARGS)
 	$(PY) 01_dataparallel/mnist_dataparallel.py $(TRAIN_ARGS)
 
 dp-shapes: $(STAMP) ## watch DataParallel split a batch (simulated for 2 GPUs on a CPU machine)
@@ -100,6 +103,7 @@ ddp-equivalence: $(STAMP) check-nproc ## proof that DDP averages gradients (and 
 	$(PY) 02_ddp_spawn/ddp_equivalence.py --nproc $(NPROC) $(ARGS)
 
 ddp-spawn: $(STAMP) check-nproc ## MNIST with DDP, NPROC processes started by mp.spawn
+	@$(PREFLIGHT) 02_ddp_spawn/mnist_spawn.py --nproc $(NPROC) $(DIST_ARGS)
 	$(PY) 02_ddp_spawn/mnist_spawn.py --nproc $(NPROC) $(DIST_ARGS)
 
 ddp-timeline: $(STAMP) check-nproc ## see DDP's all-reduce overlap backward: per-rank timelines, traces, PNGs (runs/timeline)
@@ -110,11 +114,12 @@ ddp-timeline: $(STAMP) check-nproc ## see DDP's all-reduce overlap backward: per
 # --local-addr: single-node jobs never depend on this machine's host name resolving (it may not)
 TORCHRUN := $(VENV)/bin/torchrun --standalone --local-addr 127.0.0.1 --nproc-per-node $(NPROC)
 ELASTIC  ?= runs/elastic
-# the failure demo: rank 1 crashes at this step (counted over epochs) on the first attempt only
+# the failure demo: rank FAIL_RANK fails at this training batch (counted over epochs) on the first attempt only
 FAIL_AT  ?= 250
+FAIL_RANK ?= $(if $(filter 1,$(NPROC)),0,1)
 
 ddp-torchrun: $(STAMP) check-nproc ## MNIST with DDP, NPROC processes started by torchrun (the headline run)
-	@$(CHECK) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
+	@$(PREFLIGHT) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 	$(TORCHRUN) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 
 init-check: $(STAMP) check-nproc ## can a process group form? each rank reports, one all_reduce proves it
@@ -124,13 +129,16 @@ ddp-minimal: $(STAMP) check-nproc ## the smallest torchrun + DDP program, elasti
 	$(TORCHRUN) 03_ddp_torchrun/elastic_ddp.py
 
 elastic-restart: $(STAMP) check-nproc ## a worker crashes once, torchrun restarts the group, training resumes: same weights
-	@$(CHECK) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
+	@$(PREFLIGHT) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 	@rm -rf $(ELASTIC)
 	@echo "--- 1/3 an uninterrupted run"
 	$(TORCHRUN) 03_ddp_torchrun/mnist_torchrun.py --checkpoint-dir $(ELASTIC)/straight $(DIST_ARGS)
-	@echo "--- 2/3 the same run; rank 1 fails at step $(FAIL_AT), torchrun restarts it (--max-restarts 1)"
-	$(TORCHRUN) --max-restarts 1 03_ddp_torchrun/mnist_torchrun.py --checkpoint-dir $(ELASTIC)/recovered \
-	  --simulate-failure-at-step $(FAIL_AT) $(DIST_ARGS)
+	@echo "--- 2/3 the same run; rank $(FAIL_RANK) fails at training batch $(FAIL_AT) (injected from outside by the"
+	@echo "    course's tracer), torchrun restarts the group (--max-restarts 1) and it resumes from its checkpoint"
+	COURSE_TRACE=$(ELASTIC)/trace PYTHONPATH=tools/trace COURSE_FAIL_AT=$(FAIL_RANK):$(FAIL_AT) \
+	TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$(if $(filter off,$(COURSE_WORKAROUNDS)),0,1) \
+	  $(TORCHRUN) --max-restarts 1 03_ddp_torchrun/mnist_torchrun.py --checkpoint-dir $(ELASTIC)/recovered $(DIST_ARGS)
+	@$(PY) tools/tracecheck.py $(ELASTIC)/trace --expect-restart --quiet
 	@echo "--- 3/3 compare the final weights"
 	$(PY) 03_ddp_torchrun/compare_checkpoints.py $(ELASTIC)/straight/mnist_torchrun.pt $(ELASTIC)/recovered/mnist_torchrun.pt
 
@@ -144,7 +152,7 @@ exit-stress: $(STAMP) ## a finished 3-rank job RUNS times, leaving with and with
 	$(PY) bench/stress.py exit --runs $(RUNS) --output-dir $(BENCH_OUT) $(ARGS)
 
 launch-legacy: $(STAMP) check-nproc ## the deprecated python -m torch.distributed.launch (passes --local-rank)
-	@$(CHECK) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
+	@$(PREFLIGHT) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 	$(PY) -m torch.distributed.launch --local-addr 127.0.0.1 --nproc-per-node $(NPROC) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 
 # ------------------------------------------------------------------ 04: several nodes
@@ -203,7 +211,7 @@ errors: $(STAMP) ## the error gallery: each classic DDP error made on purpose, b
 # ------------------------------------------------------------------ 06: mixed precision and SyncBatchNorm
 
 amp-syncbn: $(STAMP) check-nproc ## MNIST with autocast (bf16 on CPU, fp16 + GradScaler on GPU) and SyncBatchNorm
-	@$(CHECK) 06_amp_syncbn/mnist_amp_syncbn.py --sync-bn $(DIST_ARGS)
+	@$(PREFLIGHT) 06_amp_syncbn/mnist_amp_syncbn.py --sync-bn $(DIST_ARGS)
 	$(TORCHRUN) 06_amp_syncbn/mnist_amp_syncbn.py --sync-bn $(DIST_ARGS)
 
 syncbn-proof: $(STAMP) check-nproc ## the all_reduce batch norm equals BatchNorm2d over the global batch

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import common
 from tools import course
 
 

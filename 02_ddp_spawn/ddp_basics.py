@@ -23,8 +23,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-from tools import course
 import workarounds
+from tools import course
 
 
 class ToyMpModel(nn.Module):

@@ -40,8 +40,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import common
-from tools import course
 import workarounds
+from tools import course
 
 VARIANTS = {"default": {}, "one-bucket": {"bucket_cap_mb": 10_000}, "no-sync": {}}
 MICRO_BATCHES = 4  # no-sync: micro-batches per optimizer step

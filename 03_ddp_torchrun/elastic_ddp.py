@@ -20,9 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-import common
-from tools import course
 import workarounds
+from tools import course
 
 
 class RangeDataset(Dataset):

@@ -103,9 +103,9 @@ def main():
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     try:
-        if local_rank == 0:  # DDP: one process per node downloads or writes the data, the others wait
+        if local_rank == 0:  # one process per node downloads or writes the data ...
             common.prepare_data(args.dataset, args.data_dir)
-        dist.barrier()
+        dist.barrier()  # DDP: ... while the others wait here (run `make data` first for a slow download)
         args.dataset = common.prepare_data(args.dataset, args.data_dir, download=False)  # which one `auto` took
         if rank == 0:
             print(f"{world_size} processes, {local_world_size} on this node, on {device.type} with {backend}")

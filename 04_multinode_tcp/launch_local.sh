@@ -45,7 +45,7 @@ parent=$PPID; above=$(awk '{print $4}' "/proc/$parent/stat" 2>/dev/null || true)
   done; kill -TERM $$ 2>/dev/null ) &
 watcher=$!
 # one process checks the arguments and prepares the data first: a mistake is one line, not one per process
-COURSE_CHECK_ONLY=1 "$py" 04_multinode_tcp/mnist_tcp.py --init-method "$init" --world-size "$world" \
+"$py" tools/preflight.py 04_multinode_tcp/mnist_tcp.py --init-method "$init" --world-size "$world" \
   --nproc-per-node "$nproc" --node-rank 0 --local-rank 0 "$@"
 
 for ((node = 0; node < nnodes; node++)); do

@@ -38,8 +38,7 @@ parent=$PPID; above=$(awk '{print $4}' "/proc/$parent/stat" 2>/dev/null || true)
   done; kill -TERM $$ 2>/dev/null ) &
 watcher=$!
 # one process checks the arguments and prepares the data first: a mistake is one line, not one per process
-COURSE_CHECK_ONLY=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=$((nnodes * nproc)) LOCAL_WORLD_SIZE="$nproc" \
-  "$py" 03_ddp_torchrun/mnist_torchrun.py "$@"
+"$py" tools/preflight.py --nproc "$nproc" --nnodes "$nnodes" 03_ddp_torchrun/mnist_torchrun.py "$@"
 
 for node in $only; do
   if [[ $mode == static ]]; then

@@ -110,9 +110,9 @@ def main():
     dist.init_process_group(backend, init_method=args.init_method, rank=rank, world_size=args.world_size,
                             timeout=timedelta(seconds=args.timeout), device_id=device if backend == "nccl" else None)
     try:
-        if local_rank == 0:  # DDP: one process per node downloads or writes the data, the others wait
+        if local_rank == 0:  # one process per node downloads or writes the data ...
             common.prepare_data(args.dataset, args.data_dir)
-        dist.barrier()
+        dist.barrier()  # DDP: ... while the others wait here (run `make data` first for a slow download)
         args.dataset = common.prepare_data(args.dataset, args.data_dir, download=False)  # which one `auto` took
         print(f"rank {rank} (local rank {local_rank}) of {args.world_size} joined via {args.init_method}", flush=True)
         train(args, device, rank, args.world_size)

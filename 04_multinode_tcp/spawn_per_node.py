@@ -36,8 +36,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-from tools import course
 import workarounds
+from tools import course
 
 
 def rank_of(counts: list[int], node: int, local: int) -> int:

@@ -16,9 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import common
-from tools import course
 import workarounds
+from tools import course
 
 DTYPES = (torch.float32, torch.float16, torch.int64)
 # what the commonly copied static table says for Gloo on CPU and NCCL on GPU (✓ / ✘)

@@ -17,9 +17,8 @@ from functools import reduce
 import torch
 import torch.distributed as dist
 
-import common
-from tools import course
 import workarounds
+from tools import course
 
 FAILED = []
 UNSUPPORTED = {"nccl": {"BAND", "BOR", "BXOR"}}  # ReduceOps a backend refuses (see backend_matrix.py)

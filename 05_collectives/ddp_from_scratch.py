@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-from tools import course
 import workarounds
+from tools import course
 
 
 def train(model, rank, steps, sync_by_hand, device):

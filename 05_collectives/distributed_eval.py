@@ -22,8 +22,8 @@ from torch.utils.data import Subset
 from torch.utils.data.distributed import DistributedSampler
 
 import common
-from tools import course, data
 import workarounds
+from tools import course, data
 
 
 def quick_model(data_dir, steps=100):

@@ -32,8 +32,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-from tools import course
 import workarounds
+from tools import course
 
 TIMEOUT = 5.0  # seconds any collective may wait in these demos
 

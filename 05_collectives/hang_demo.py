@@ -25,7 +25,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import common
 from tools import course
 
 

@@ -14,9 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import common
-from tools import course
 import workarounds
+from tools import course
 
 
 def show(rank, title, before, after):

@@ -23,8 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 import common
-from tools import course, data
 import workarounds
+from tools import course, data
 
 
 def augment_cifar(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -21,8 +21,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-from tools import course
 import workarounds
+from tools import course
 
 
 def counting_allreduce(state, bucket):

@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import common
-from tools import course
 import workarounds
+from tools import course
 
 
 class SumOverRanks(torch.autograd.Function):

@@ -22,9 +22,8 @@ import torch
 import torch.distributed as dist
 
 import benchlib
-import common
-from tools import course
 import workarounds
+from tools import course
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,

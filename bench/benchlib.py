@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-import common
 from tools import course
 
 

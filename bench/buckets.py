@@ -28,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import benchlib
 import common
-from tools import course
 import workarounds
+from tools import course
 
 
 def make_runner(cap_mb: float | None, cfg: dict, device: torch.device, local_rank: int):

@@ -29,8 +29,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import benchlib
 import common
-from tools import course, data
 import workarounds
+from tools import course, data
 
 HOOKS = ["all_reduce", "fp16", "bf16", "powersgd"]
 SENT = {"bytes": 0}  # bytes handed to dist.all_reduce by the hooks, counted by counting_all_reduce

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import benchlib
-import common
 from tools import course
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """Training throughput (images/s) of the course's ConvNet on MNIST-shaped data, variant by variant.
 
 One process, data already on the device ........ plain: the bare forward/backward/step loop
-One process, the course's data path ............. course: load_dataset + batch_loader, as mnist_single.py
+One process, the course's data path ............. course: load_dataset + a DataLoader, as mnist_single.py
 One process, torchvision's per-image path ....... torchvision: MNIST + ToTensor + DataLoader, as the seeds
 nn.DataParallel ................................. dataparallel (on a CPU or a single GPU it only calls the model)
 DDP at world size 1 ............................. ddp_ws1: the cost of the wrapper and its all_reduce alone
@@ -38,8 +38,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import benchlib
 import common
-from tools import course, data
 import workarounds
+from tools import course, data
 
 # --------------------------------------------------------------------------- data sources (endless batch iterators)
 
@@ -185,7 +185,8 @@ def build_variants(cfg: dict, device, world_sizes: list[int], tmp: str) -> dict:
     """name -> (label, function returning {'images_per_s': ..., maybe 'startup_s': ...})."""
     cores = cfg["cores"]
     train_set = load_train_set(cfg)
-    course = course.batch_loader(train_set, cfg["batch_size"], shuffle=True, seed=0, pin_memory=device.type == "cuda")
+    course_path = DataLoader(train_set, batch_size=cfg["batch_size"], shuffle=True,
+                             generator=torch.Generator().manual_seed(0), pin_memory=device.type == "cuda")
     tv = torchvision_loader(cfg, device)
 
     def single(make_model, batches, threads=cores):
@@ -202,7 +203,7 @@ def build_variants(cfg: dict, device, world_sizes: list[int], tmp: str) -> dict:
     resident = lambda: resident_batches(train_set, cfg["batch_size"], device, seed=0)  # noqa: E731
     variants = {
         "plain": ("plain loop, data on device", single(lambda: new_model(device), resident)),
-        "course": ("course data path", single(lambda: new_model(device), lambda: endless(course))),
+        "course": ("course data path", single(lambda: new_model(device), lambda: endless(course_path))),
         "torchvision": ("torchvision per-image loader", single(lambda: new_model(device), lambda: endless(tv))),
         "dataparallel": ("nn.DataParallel", single(lambda: nn.DataParallel(new_model(device)), resident)),
         "ddp_ws1": ("DDP, world size 1", single(ddp1, resident)),

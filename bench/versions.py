@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 import benchlib
-import common
 from tools import course
 
 REPO = Path(__file__).resolve().parents[1]

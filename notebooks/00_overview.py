@@ -58,7 +58,6 @@
 # every process, otherwise CPU + Gloo. `--device` and `--backend` override the choice. On this machine:
 
 # %% tags=["nbval-ignore-output"]
-import common
 from tools import course
 
 for nproc in (1, 2):

@@ -51,7 +51,6 @@ show("01_dataparallel/mnist_dataparallel.py", marked="DP:")
 # directly, so the two print exactly the same losses.
 
 # %% tags=["nbval-ignore-output"]
-import common
 from tools import course
 
 args = "--dataset mnist-standin --epochs 1 --max-steps 100 --log-every 25"

@@ -18,7 +18,6 @@ REPO = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common.py").ex
 PYTHON = sys.executable
 sys.path.insert(0, str(REPO))
 
-import common  # noqa: E402
 from tools import course  # noqa: E402
 
 

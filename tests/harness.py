@@ -17,7 +17,6 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import common
 from tools import course
 
 REPO = Path(__file__).resolve().parents[1]

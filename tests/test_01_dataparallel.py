@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import common
-from tools import course
 from harness import PYTHON, make, python, run
+from tools import course
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the CPU path on any machine, GPUs or not
 
@@ -59,7 +59,7 @@ def test_make_dataparallel_trains_and_saves_a_plain_state_dict(data_dir, tmp_pat
     assert res.final["test_samples"] == 4000 and res.final["world_size"] == 1
     assert res.final["test_acc"] > 0.5
     gpus = course.gpu_count()
-    assert res.final["replicas"] == max(1, gpus)
+    assert f"split {gpus} ways" in res.stdout if gpus > 1 else "calls the model directly" in res.stdout
     if not gpus:
         assert "calls the model directly" in res.stdout
     state = torch.load(tmp_path / "mnist_dataparallel.pt", weights_only=True)
@@ -69,10 +69,10 @@ def test_make_dataparallel_trains_and_saves_a_plain_state_dict(data_dir, tmp_pat
 def test_dataparallel_refuses_gpus_that_are_not_there():
     gpus = course.gpu_count()
     if gpus == 0:
-        res = python("01_dataparallel/mnist_dataparallel.py", "--gpus", "0,1", expect_rc=2)
+        res = python("tools/preflight.py", "01_dataparallel/mnist_dataparallel.py", "--gpus", "0,1", expect_rc=2)
         assert "need CUDA GPUs" in res.stderr
     else:
-        res = python("01_dataparallel/mnist_dataparallel.py", "--gpus", f"0,{gpus}", expect_rc=2)
+        res = python("tools/preflight.py", "01_dataparallel/mnist_dataparallel.py", "--gpus", f"0,{gpus}", expect_rc=2)
         assert f"GPU {gpus} does not exist: this machine has {gpus}" in res.stderr
     assert "Traceback" not in res.stderr
 
@@ -81,7 +81,8 @@ def test_dataparallel_refuses_gpus_that_are_not_there():
 @pytest.mark.multigpu
 def test_one_gpu_dataparallel_refuses_another_output_device():
     """With one device, DataParallel calls the module and gathers nothing: outputs stay on that GPU."""
-    res = python("01_dataparallel/mnist_dataparallel.py", "--gpus", "0", "--output-device", "1", expect_rc=2)
+    res = python("tools/preflight.py", "01_dataparallel/mnist_dataparallel.py", "--gpus", "0", "--output-device", "1",
+                 expect_rc=2)
     assert "--output-device must be that GPU" in res.stderr and "Traceback" not in res.stderr
 
 
@@ -118,5 +119,5 @@ def test_dataparallel_checks_the_model_device_at_the_first_forward_not_at_the_wr
 
 @pytest.mark.cuda
 def test_dataparallel_script_refuses_the_cpu_on_a_gpu_machine():
-    res = python("01_dataparallel/mnist_dataparallel.py", "--device", "cpu", expect_rc=2)
+    res = python("tools/preflight.py", "01_dataparallel/mnist_dataparallel.py", "--device", "cpu", expect_rc=2)
     assert "mnist_single.py" in res.stderr and "Traceback" not in res.stderr

@@ -9,8 +9,8 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 import common
-from tools import course
 from harness import PYTHON, REPO, check_shards, make, python, run
+from tools import course
 
 # ------------------------------------------------------------------ DistributedSampler, in-process
 
@@ -163,7 +163,8 @@ def test_two_ranks_resume_gives_bitwise_the_same_weights(copied, data_dir):
 
 def test_spawn_refuses_impossible_requests():
     gpus = course.gpu_count()  # one process more than there are GPUs: NCCL cannot work, on any machine
-    res = python("02_ddp_spawn/mnist_spawn.py", "--backend", "nccl", "--nproc", str(gpus + 1), expect_rc=2)
+    res = python("tools/preflight.py", "02_ddp_spawn/mnist_spawn.py", "--backend", "nccl", "--nproc", str(gpus + 1),
+                 expect_rc=2)
     assert ("nccl needs CUDA" if gpus == 0 else "NCCL needs one GPU per process") in res.stderr
     assert "Traceback" not in res.stderr
     res = make("ddp-spawn", "NPROC=0", expect_rc=2)

@@ -4,9 +4,8 @@ import re
 
 import pytest
 
-import common
-from tools import course
 from harness import PYTHON, make, run
+from tools import course
 
 # Gloo on CPU, as recorded in the project's measured facts: every op of the static table works
 # (reduce_scatter and all_to_all too, unlike the table); these fail.

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import common
-from tools import course
 from harness import PYTHON, REPO, TORCHRUN, make, run
+from tools import course
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
 

@@ -7,9 +7,8 @@ import sys
 
 import pytest
 
-import common
-from tools import course
 from harness import REPO, make
+from tools import course
 
 sys.path.insert(0, str(REPO / "bench"))
 import benchlib  # noqa: E402

@@ -15,9 +15,8 @@ import torchvision
 from torch.utils.data.distributed import DistributedSampler
 
 import common
-from tools import course, data
-import standins
 from harness import PYTHON, REPO
+from tools import course, data, standins
 
 # ------------------------------------------------------------------ stand-ins through torchvision's own classes
 
@@ -105,7 +104,7 @@ def test_load_dataset_gives_normalised_tensors(data_dir):
 
 
 def test_auto_falls_back_to_standin_loudly(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(common, "try_download", lambda *a, **k: "URLError: no network")
+    monkeypatch.setattr(data, "try_download", lambda *a, **k: "URLError: no network")
     assert common.prepare_data("auto", tmp_path) == "mnist-standin"
     out = capsys.readouterr().out
     assert "STAND-IN" in out and "no network" in out and "make data" in out
@@ -119,7 +118,7 @@ def test_auto_prefers_real_data_when_present(tmp_path):
 
 
 def test_real_dataset_without_data_or_network_says_what_to_do(tmp_path, monkeypatch):
-    monkeypatch.setattr(common, "try_download", lambda *a, **k: "URLError: no network")
+    monkeypatch.setattr(data, "try_download", lambda *a, **k: "URLError: no network")
     with pytest.raises(course.UsageError, match="make data.*mnist-standin"):
         common.prepare_data("mnist", tmp_path)
 
@@ -177,12 +176,12 @@ def test_processes_share_gpus_only_with_gloo_and_cuda_asked_for(monkeypatch):
 
 def test_runtime_report_names_the_build_and_says_loudly_when_gpus_go_unused(monkeypatch):
     fake_gpus(monkeypatch, 0)
-    monkeypatch.setattr(common.shutil, "which", lambda name: None)
+    monkeypatch.setattr(course.shutil, "which", lambda name: None)
     first = course.runtime_report(torch.device("cpu"), "gloo", 2)
     assert first.startswith(f"torch {torch.__version__} (CUDA {torch.version.cuda}), no CUDA GPU visible; "
                             "this run: 2 process(es) per node on cpu with gloo")
     assert "NOTE" not in first
-    monkeypatch.setattr(common.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(course.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
     assert "NOTE: nvidia-smi is installed but torch sees no usable GPU" in \
         course.runtime_report(torch.device("cpu"), "gloo", 2)
 
@@ -267,7 +266,8 @@ def test_atomic_save_round_trip(tmp_path):
 
 
 _KILLED_WRITER = textwrap.dedent("""
-    import sys, time, torch, common
+    import sys, time, torch
+    from tools import course
     path, mode = sys.argv[1], sys.argv[2]
     def slow(f):
         f.write(b"PK" + b"x" * 100000); f.flush()
@@ -539,7 +539,7 @@ def test_a_damaged_standin_is_written_again(tmp_path, damage, capsys):
 def test_a_missing_real_file_is_named(tmp_path, monkeypatch):
     standins.write_mnist_standin(tmp_path, sizes=(20, 10))  # real-format files where real MNIST lives
     (tmp_path / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").unlink()
-    monkeypatch.setattr(common, "try_download", lambda *a, **k: "URLError: no network")
+    monkeypatch.setattr(data, "try_download", lambda *a, **k: "URLError: no network")
     with pytest.raises(course.UsageError, match="t10k-labels-idx1-ubyte is missing .*make data"):
         common.prepare_data("mnist", tmp_path)
 
@@ -551,7 +551,7 @@ def test_a_data_dir_that_cannot_be_created_is_one_line(tmp_path):
 
 def test_auto_remembers_a_failed_download_for_an_hour(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(common, "try_download", lambda *a, **k: calls.append(1) or "URLError: no network")
+    monkeypatch.setattr(data, "try_download", lambda *a, **k: calls.append(1) or "URLError: no network")
     assert data.prepare("auto", tmp_path, quiet=True) == "mnist-standin"
     assert data.prepare("auto", tmp_path, quiet=True) == "mnist-standin"
     assert len(calls) == 1, "the second run does not wait for the network again"
@@ -619,7 +619,7 @@ def test_the_progress_bar_is_rank_0s_on_stderr_and_tqdm_disable_turns_it_off(mon
     bar.close()
     drawn = capsys.readouterr()
     assert "0/3" in drawn.err and drawn.out == ""
-    code = "import common; bar = course.progress([1, 2, 3], rank=0); print(bar.disable, list(bar))"
+    code = "from tools import course; bar = course.progress([1, 2, 3], rank=0); print(bar.disable, list(bar))"
     res = subprocess.run([PYTHON, "-c", code], env={**os.environ, "TQDM_DISABLE": "1"}, capture_output=True,
                          text=True, timeout=120)  # tqdm reads TQDM_* when it is imported
     assert res.stdout.split() == ["True", "[1,", "2,", "3]"] and "0/3" not in res.stderr, res

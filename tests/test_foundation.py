@@ -2,6 +2,7 @@
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import DEAD_PROXY, PYTHON, REPO, exits, make, python, run
+import common
+from harness import DEAD_PROXY, PYTHON, REPO, TORCHRUN, exits, make, python, run
+from tools import tracecheck
 
 
 @pytest.mark.slow
@@ -21,24 +24,80 @@ def test_make_smoke_trains_the_baseline(data_dir):
     assert 0.9 < final["test_acc"] < 1.0, "one epoch should learn the stand-in well, but not perfectly"
 
 
-@pytest.mark.slow
-def test_script_runs_from_a_folder_holding_only_itself_and_common(tmp_path, data_dir):
-    for name in ("01_dataparallel/mnist_single.py", "common.py"):
-        shutil.copy(REPO / name, tmp_path)
-    with open(tmp_path / "common.py", "a") as f:  # prove that the copy, not the repo's common.py, is used
+# What the README's "Use a script in your own project" tells a reader to change: the data set and the model.
+USER_CODE = """
+class Squares(torch.utils.data.Dataset):  # an ordinary Dataset: one int index, one sample of another shape
+    def __init__(self, train):
+        g = torch.Generator().manual_seed(0 if train else 1)
+        self.x = torch.randn(512 if train else 128, 12, generator=g)
+        self.y = (self.x[:, :3].sum(1) > 0).long()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class MLP(torch.nn.Sequential):
+    def __init__(self):
+        super().__init__(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+"""
+EDITS = [(r"common\.load_dataset\(args\.dataset, args\.data_dir, train=(True|False)\)", r"Squares(train=\1)"),
+         (r"common\.ConvNet\(\)", "MLP()"),
+         (r"\n *(if local_rank == 0:.*\n *)?(args\.dataset = )?common\.prepare_data\(.*", "")]
+
+
+def copy_into_a_project(script: str, folder: Path) -> Path:
+    """The chain script and what it imports (common.py) in a folder of their own, with the README's edits."""
+    folder.mkdir()
+    shutil.copy(REPO / "common.py", folder)
+    with open(folder / "common.py", "a") as f:  # proof that the copy, not the repo's common.py, is imported
         f.write("\nprint('common.py from the copy', flush=True)\n")
-    res = run([PYTHON, "mnist_single.py", "--dataset", "mnist-standin", "--data-dir", data_dir,
-               "--epochs", "1", "--max-steps", "20", "--checkpoint-dir", tmp_path / "ck"], cwd=tmp_path)
-    assert res.final["test_samples"] == 4000
-    assert res.stdout.startswith("common.py from the copy")
-    assert (tmp_path / "ck" / "mnist_single.pt").exists()
+    source = (REPO / script).read_text().replace("\nimport common\n", "\nimport common\n" + USER_CODE)
+    for pattern, replacement in EDITS:
+        source, n = re.subn(pattern, replacement, source)
+        assert n, (script, pattern)
+    assert "load_dataset" not in source and "ConvNet" not in source and "prepare_data" not in source
+    (folder / Path(script).name).write_text(source)
+    return folder / Path(script).name
+
+
+@pytest.mark.slow
+def test_a_copied_chain_script_trains_another_dataset_and_model_in_an_empty_folder(tmp_path):
+    """Each chain script, copied with common.py alone into another folder, trains an int-indexed Dataset of
+    another shape and an MLP with 2 processes; the tracer sees its shards and its equal replicas."""
+    env = {"PYTHONPATH": str(REPO / "tools/trace"), "OMP_NUM_THREADS": "1"}
+    launches = {
+        "03_ddp_torchrun/mnist_torchrun.py": lambda s: [*TORCHRUN, "--standalone", "--nproc-per-node", "2", s],
+        "06_amp_syncbn/mnist_amp_syncbn.py": lambda s: [*TORCHRUN, "--standalone", "--nproc-per-node", "2", s],
+        "02_ddp_spawn/mnist_spawn.py": lambda s: [PYTHON, s, "--nproc", "2"],
+    }
+    for script, launch in launches.items():
+        project = tmp_path / Path(script).stem
+        copied = copy_into_a_project(script, project)
+        res = run([*launch(copied), "--epochs", "2", "--batch-size", "32", "--timeout", "30"], cwd=project,
+                  env={**env, "COURSE_TRACE": str(project / "trace")}, timeout=180)
+        assert res.final["test_samples"] == 128 and res.final["world_size"] == 2, res.tail()
+        assert res.final["test_acc"] > 0.7 and "common.py from the copy" in res.stdout, res.tail()
+        verdicts = {c.name: c.verdict for c in tracecheck.judge(project / "trace")}
+        assert verdicts["shards"] == verdicts["order"] == verdicts["ddp"] == verdicts["eval"] == "ok", verdicts
+    port = common.free_port()  # the tcp step: two processes started by hand
+    project = tmp_path / "mnist_tcp"
+    copied = copy_into_a_project("04_multinode_tcp/mnist_tcp.py", project)
+    procs = [[PYTHON, copied, "--init-method", f"tcp://127.0.0.1:{port}", "--world-size", "2", "--rank", str(r),
+              "--epochs", "2", "--timeout", "30"] for r in range(2)]
+    res = run(["bash", "-c", f"{shlex.join(map(str, procs[1]))} & {shlex.join(map(str, procs[0]))}; wait"],
+              cwd=project, timeout=180)
+    assert res.final["test_samples"] == 128 and res.final["world_size"] == 2, res.tail()
 
 
 def test_bad_input_is_one_line_not_a_traceback(tmp_path):
+    """Through the preflight the make targets run first."""
     script = "01_dataparallel/mnist_single.py"
     (code1, _, err1), (code2, _, err2) = exits([
-        (script, ["--dataset", "imagenet"]),
-        (script, ["--dataset", "mnist", "--data-dir", tmp_path / "empty"])], env=DEAD_PROXY)
+        ("tools/preflight.py", [script, "--dataset", "imagenet"]),
+        ("tools/preflight.py", [script, "--dataset", "mnist", "--data-dir", tmp_path / "empty"])], env=DEAD_PROXY)
     assert code1 == 2 and "invalid choice: 'imagenet'" in err1 and "Traceback" not in err1
     assert code2 == 2 and "make data" in err2 and "Traceback" not in err2
 
@@ -96,7 +155,7 @@ import importlib.util, sys
 for folder in sys.argv[1:]:  # what `python FOLDER/script.py` finds: sys.path[0] is the script's folder
     sys.path[0] = folder
     importlib.invalidate_caches()
-    print(folder, *(importlib.util.find_spec(name).origin for name in ("common", "workarounds", "standins")))
+    print(folder, *(importlib.util.find_spec(name).origin for name in ("common", "workarounds", "tools")))
 """
 
 
@@ -104,7 +163,8 @@ def test_common_imports_from_every_numbered_folder_without_pythonpath(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     folders = sorted(str(f) for f in REPO.glob("0*_*"))
     res = run([PYTHON, "-c", FIND_SPEC, *folders], cwd=tmp_path, env=env)
-    expected = [f"{folder} {REPO / 'common.py'} {REPO / 'workarounds.py'} {REPO / 'standins.py'}" for folder in folders]
+    expected = [f"{folder} {REPO / 'common.py'} {REPO / 'workarounds.py'} {REPO / 'tools' / '__init__.py'}"
+                for folder in folders]
     assert res.stdout.splitlines() == expected and len(folders) == 6
 
 
@@ -191,7 +251,8 @@ def test_nproc_defaults_to_one_process_per_gpu_and_to_2_without_gpus(tmp_path, g
 
 def test_every_script_answers_help_with_a_whole_sentence_or_says_how_to_start_it():
     scripts = sorted(p.relative_to(REPO) for p in [*REPO.glob("0*_*/*.py"), *REPO.glob("bench/*.py"),
-                                                   *REPO.glob("tools/*.py")] if p.name != "benchlib.py")
+                                                   *REPO.glob("tools/*.py")]
+                     if '__name__ == "__main__"' in p.read_text())  # scripts, not modules
     answers = exits([(script, ["--help"]) for script in scripts])
     assert len(answers) == len(scripts) > 30
     for name, (code, text, _) in zip(scripts, answers, strict=True):

@@ -10,9 +10,8 @@ import time
 
 import pytest
 
-import common
-from tools import course
 from harness import DEAD_PROXY, REPO, TAG, TORCHRUN, kill_tagged, make, python, run, wait_gone
+from tools import course
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
 

@@ -1,6 +1,7 @@
 """Judge a traced run (tools/tracer.py): did the distributed part do what it must?
 
     python tools/tracecheck.py TRACE_DIR        # one line per check; exit 1 when one says the run is wrong
+    python tools/tracecheck.py TRACE_DIR --expect-restart --quiet   # make elastic-restart: did torchrun restart?
 
 Each check gives a verdict: "ok", "wrong" (the training or its numbers are wrong), or "unknown" (the run did
 not show enough, for example a single epoch cannot show whether the order changes between epochs).
@@ -8,6 +9,7 @@ not show enough, for example a single epoch cannot show whether the order change
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import defaultdict
@@ -177,7 +179,27 @@ def judge(trace_dir) -> list[Check]:
     return [check(ranks) for check in CHECKS]
 
 
+def attempts(trace_dir) -> set[int]:
+    """torchrun's restart counts seen in the run's init events (0: the first attempt)."""
+    return {json.loads(line)["attempt"] for path in Path(trace_dir).glob("trace-*.jsonl")
+            for line in path.read_text().splitlines() if '"ev": "init"' in line}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace_dir")
+    parser.add_argument("--expect-restart", action="store_true", help="fail unless torchrun restarted the group")
+    parser.add_argument("--quiet", action="store_true", help="print only what is wrong")
+    args = parser.parse_args(argv)
+    if args.expect_restart and max(attempts(args.trace_dir), default=0) < 1:
+        print("error: no restart happened: the failing rank never reached its batch (lower FAIL_AT)")
+        return 1
+    results = judge(args.trace_dir)
+    for check in results:
+        if not args.quiet or check.verdict == "wrong":
+            print(check)
+    return 1 if any(c.verdict == "wrong" for c in results) else 0
+
+
 if __name__ == "__main__":
-    results = judge(sys.argv[1])
-    print("\n".join(map(str, results)))
-    sys.exit(1 if any(c.verdict == "wrong" for c in results) else 0)
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Check a training run before its processes start: one process, one line per mistake.
+
+    python tools/preflight.py [--nproc N] [--nnodes M] SCRIPT [SCRIPT'S ARGUMENTS ...]
+
+The make targets run this before torchrun (or mp.spawn, or the launch scripts) starts N processes, so that a
+mistake is one line instead of one traceback per process and torchrun's failure summary. It reads the script's
+own argparse flags (by running the script's main() up to its parse_args()), then checks the numbers, the data
+folder, the checkpoint folder and any checkpoint in it, a tcp:// or file:// --init-method and the ranks, the
+devices and the backend for N processes per node, and prepares the data (a download, or the offline stand-in).
+It prints what the run will use and exits 0, or prints one line and exits 2.
+
+A script started by hand skips all this and answers with argparse's and PyTorch's own messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import runpy
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO)]
+
+from tools import course, data  # noqa: E402
+
+
+class _Parsed(Exception):
+    """Raised at the script's parse_args(): the parser and the arguments, and nothing run after them."""
+
+
+def parse_script_args(script: Path, argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The script's parser and parsed arguments, as its main() builds them; argparse errors are one line."""
+    original = argparse.ArgumentParser.parse_args
+
+    def capture(self, args=None, namespace=None):
+        raise _Parsed(self, original(self, args, namespace))
+
+    original_error = argparse.ArgumentParser.error
+    argparse.ArgumentParser.parse_args = capture
+    argparse.ArgumentParser.error = course.ArgumentParser.error  # one line, with the notes' spellings explained
+    sys.argv, sys.path[0] = [str(script), *argv], str(script.parent)
+    try:
+        runpy.run_path(str(script), run_name="__preflight__")["main"]()
+    except _Parsed as parsed:
+        return parsed.args
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    argparse.ArgumentParser.error = original_error
+    raise SystemExit(f"{script}: main() returned without parsing its arguments")
+
+
+def check_numbers(parser, args) -> None:
+    for flag, low in (("epochs", 1), ("batch_size", 1), ("max_steps", 0), ("world_size", 1), ("nproc", 1),
+                      ("nproc_per_node", 1)):
+        value = getattr(args, flag, None)
+        if value is not None and value < low:
+            parser.error(f"--{flag.replace('_', '-')} must be at least {low}, got {value}")
+    for flag in ("lr", "timeout", "clip_grad"):
+        value = getattr(args, flag, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            parser.error(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
+
+
+def place(parser, args, nproc: int, nnodes: int) -> tuple[int, int, int, int]:
+    """(rank, local rank, world size, processes per node) of the first process the launch starts."""
+    if getattr(args, "init_method", None) is None:
+        return 0, 0, getattr(args, "nproc", None) or nproc * nnodes, getattr(args, "nproc", None) or nproc
+    if args.node_rank and args.nproc_per_node is None:
+        parser.error("give --node-rank with --nproc-per-node (processes on each machine) and --local-rank")
+    per_node = args.nproc_per_node or args.world_size
+    if args.rank is None and args.local_rank is None:
+        parser.error("give --rank, or --node-rank with --nproc-per-node and --local-rank")
+    rank = args.rank if args.rank is not None else args.node_rank * per_node + args.local_rank
+    local = args.local_rank if args.local_rank is not None else rank % per_node
+    if not 0 <= local < per_node:
+        parser.error(f"--local-rank {local}: local ranks run from 0 to --nproc-per-node - 1 ({per_node - 1})")
+    return rank, local, args.world_size, per_node
+
+
+def check_checkpoint(parser, args, script: Path) -> None:
+    """A checkpoint the run would continue must load, and be this script's."""
+    path = Path(args.checkpoint_dir or "") / f"{script.stem}.pt"
+    if not args.checkpoint_dir or not path.exists():
+        return
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - damaged, truncated, not a torch file: the same to a user
+        parser.error(f"{path} is damaged or not a checkpoint (torch.load: {type(err).__name__}); move it away "
+                     f"or use another --checkpoint-dir to start over")
+    missing = [key for key in ("model", "optimizer", "epoch") if not isinstance(state, dict) or key not in state]
+    if missing:
+        parser.error(f"{path} is not a checkpoint of {script.name} (no {', '.join(missing)}); move it away or use "
+                     f"another --checkpoint-dir")
+
+
+def check_gpus(parser, args, device) -> None:
+    """nn.DataParallel's --gpus and --output-device must name GPUs that are there."""
+    if getattr(args, "gpus", None) is None and getattr(args, "output_device", None) is None:
+        if getattr(args, "gpus", 0) is None and args.device == "cpu" and course.gpu_count():
+            parser.error("--device cpu: DataParallel only splits work over GPUs; for the CPU use mnist_single.py")
+        return
+    gpus = course.gpu_count()
+    if device.type != "cuda":
+        parser.error("--gpus and --output-device need CUDA GPUs; on the CPU, DataParallel has nothing to split")
+    for gpu in (args.gpus or []) + ([args.output_device] if args.output_device is not None else []):
+        if not 0 <= gpu < gpus:
+            parser.error(f"GPU {gpu} does not exist: this machine has {gpus} (ids 0..{gpus - 1})")
+    chosen = args.gpus or list(range(gpus))
+    if args.output_device is not None and len(chosen) == 1 and args.output_device != chosen[0]:
+        parser.error("with one GPU, DataParallel just calls the model (nothing to gather): --output-device "
+                     "must be that GPU")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=1, help="processes per node the launch will start")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes of the job")
+    parser.add_argument("script", type=Path)
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    opts = parser.parse_args(argv)
+    script_parser, args = parse_script_args(opts.script.resolve(), opts.args)
+    check_numbers(script_parser, args)
+    rank, local_rank, world_size, per_node = place(script_parser, args, opts.nproc, opts.nnodes)
+    script_parser.family = "cifar10" if "cifar" in opts.script.name else "mnist"
+    device, backend = course.check_args(script_parser, args, rank=rank, world_size=world_size,
+                                        local_rank=local_rank, procs_per_node=per_node)
+    check_gpus(script_parser, args, device)
+    check_checkpoint(script_parser, args, opts.script)
+    print(course.runtime_report(device, backend, per_node))
+    try:
+        data.prepare(args.dataset, args.data_dir, family=script_parser.family)
+    except course.UsageError as err:
+        script_parser.error(str(err))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.pop("COURSE_CHECK_ONLY", None)
+    sys.exit(main())
