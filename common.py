@@ -38,6 +38,7 @@ def add_training_flags(parser: argparse.ArgumentParser, *, datasets=MNIST_DATASE
     parser.add_argument("--seed", "--random_seed", type=int, default=0, help="random seed (default %(default)s)")
     parser.add_argument("--max-steps", type=int, default=0,
                         help="end each epoch after this many steps; 0 = the whole epoch (smoke runs, CI)")
+    parser.add_argument("--log-every", type=int, default=0, help="print the loss every N steps; 0 = once per epoch")
     parser.add_argument("--checkpoint-dir", "--model_dir", default="",
                         help="save a checkpoint here after every epoch, and continue from it (default: none)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),

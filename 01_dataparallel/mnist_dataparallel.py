@@ -63,6 +63,8 @@ def train(args, device, rank=0, world_size=1):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
+                print(f"step: epoch={epoch + 1} step={step + 1} loss={loss.item():.4f}")
 
         totals = common.evaluate(model, test_loader, device)  # sums over the test set: correct, samples, loss
         correct, samples, loss_sum = totals.tolist()

@@ -68,6 +68,8 @@ def train(args, device, rank, world_size):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP: all-reduces the gradients here, bucket by bucket, while backward runs
             optimizer.step()
+            if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
+                print(f"step: epoch={epoch + 1} step={step + 1} loss={loss.item():.4f}")
 
         for buffer in model.module.buffers():  # DDP: rank 0's BatchNorm statistics everywhere (see README)
             dist.broadcast(buffer, src=0)

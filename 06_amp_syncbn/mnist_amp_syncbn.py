@@ -81,6 +81,8 @@ def train(args, device, rank, world_size):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
             scaler.step(optimizer)  # AMP: skipped if the scaled gradients overflowed
             scaler.update()  # AMP: a smaller scale after an overflow, a bigger one after a long calm
+            if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
+                print(f"step: epoch={epoch + 1} step={step + 1} loss={loss.item():.4f}")
 
         for buffer in model.module.buffers():  # DDP: rank 0's BatchNorm statistics everywhere (see README)
             dist.broadcast(buffer, src=0)
@@ -116,8 +118,7 @@ def main():
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     device, backend = common.device_and_backend(args.device, args.backend, local_rank, local_world_size)
-    if args.amp == "auto":
-        args.amp = "fp16" if device.type == "cuda" else "bf16"
+    args.amp = ("fp16" if device.type == "cuda" else "bf16") if args.amp == "auto" else args.amp  # AMP: per device
     if device.type == "cuda":
         torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
     # DDP: env:// reads torchrun's variables; NCCL gets this process's GPU, Gloo needs none
@@ -129,8 +130,7 @@ def main():
         dist.barrier()  # DDP: ... while the others wait here (run `make data` first for a slow download)
         args.dataset = common.prepare_data(args.dataset, args.data_dir, download=False)  # which one `auto` took
         if rank == 0:
-            print(f"{world_size} processes, {local_world_size} on this node, on {device.type} with {backend}, "
-                  f"amp {args.amp}, sync-bn {args.sync_bn}")
+            print(f"{world_size} processes on {device.type} with {backend}, amp {args.amp}, sync-bn {args.sync_bn}")
         train(args, device, rank, world_size)
     finally:
         dist.destroy_process_group()  # DDP: leave the group, also after an error
