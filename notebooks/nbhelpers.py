@@ -21,12 +21,15 @@ sys.path.insert(0, str(REPO))
 from tools import course  # noqa: E402
 
 
-def run(cmd, timeout: float = 600, quiet: bool = False, env: dict | None = None) -> str:
+def run(cmd, timeout: float = 600, quiet: bool = False, env: dict | None = None, trace=None) -> str:
     """Run `cmd` (a list, or a string split like a shell would) from the repo root.
 
     Prints its standard output (unless quiet) and returns it; raises with the tail of the
-    error output if the command fails, so the cell fails too.
+    error output if the command fails, so the cell fails too. With trace=DIR the course's tracer watches
+    every process of the run (tools/tracer.py): read it with checks(DIR) and shards(DIR).
     """
+    if trace is not None:
+        env = {**(env or {}), "COURSE_TRACE": str(trace), "PYTHONPATH": str(REPO / "tools" / "trace")}
     if isinstance(cmd, str):
         cmd = shlex.split(cmd)
     cmd = [PYTHON if c == "python" else str(c) for c in cmd]
@@ -86,3 +89,22 @@ def show(script: str, *names: str, marked: str = "") -> None:
             print(f"{number:4d}  {lines[number - 1]}")
             shown.add(number)
             previous = number
+
+
+def checks(trace_dir) -> dict:
+    """The trace checks of a traced run (tools/tracecheck.py): {name: (verdict, message)}."""
+    from tools import tracecheck
+
+    return {c.name: (c.verdict, c.message) for c in tracecheck.judge(trace_dir)}
+
+
+def shards(trace_dir) -> list[dict]:
+    """What each rank trained on, epoch by epoch: rank, epoch, samples and the first 5 indices, from the trace."""
+    from tools import tracecheck
+
+    rows = []
+    for rank, events in sorted(tracecheck.load(trace_dir).items()):
+        passes = [e for e in events if e["ev"] == "loader" and e["train"]]
+        rows += [{"rank": rank, "epoch": n + 1, "samples": len(p["indices"]), "first": p["indices"][:5]}
+                 for n, p in enumerate(passes)]
+    return rows
