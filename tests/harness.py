@@ -170,19 +170,24 @@ def make(*args, **kw) -> Result:
     return run(["make", "--no-print-directory", *args], **kw)
 
 
-def check_shards(text: str, world_size: int, samples: int = 24000, epochs: int | None = None) -> None:
-    """The `shard:` lines of a run with --show-shards: every epoch the ranks' shards are disjoint and cover the
-    training set exactly once (counts, sums and sums of squares add up), and every rank's order changes from
-    one epoch to the next (set_epoch)."""
-    shards = course.parse_lines(text, "shard")
-    seen = sorted({s["epoch"] for s in shards})
-    assert seen and (epochs is None or seen == list(range(1, epochs + 1))), seen
-    for epoch in seen:
-        rows = [s for s in shards if s["epoch"] == epoch]
-        assert sorted(s["rank"] for s in rows) == list(range(world_size)), rows
-        assert sum(s["samples"] for s in rows) == samples, f"epoch {epoch}: the shards must cover the set once"
-        assert sum(s["sum"] for s in rows) == samples * (samples - 1) // 2, f"epoch {epoch}: not one cover"
-        assert sum(s["sumsq"] for s in rows) == sum(i * i for i in range(samples)), f"epoch {epoch}: not one cover"
-    for rank in range(world_size):
-        orders = [s["order"] for s in shards if s["rank"] == rank]
-        assert len(set(orders)) == len(orders), f"rank {rank} sees the same order every epoch: set_epoch missing?"
+def traced(trace_dir) -> dict:
+    """The environment that switches the course's tracer on in every process a command starts (tools/tracer.py)."""
+    return {"COURSE_TRACE": str(trace_dir), "PYTHONPATH": str(REPO / "tools" / "trace")}
+
+
+def check_trace(trace_dir, world_size: int, epochs: int, checks=("shards", "order", "ddp", "buffers", "eval",
+                                                                  "eval_sum")) -> dict:
+    """The trace of a run: `world_size` ranks, `epochs` training passes each, and every check named "ok"
+    (shards disjoint and covering, a new order every epoch, DDP with equal replicas and BatchNorm buffers, every
+    test sample evaluated once and the sums combined). Returns the verdicts."""
+    from tools import tracecheck
+
+    ranks = tracecheck.load(trace_dir)
+    assert sorted(ranks) == list(range(world_size)), f"ranks seen: {sorted(ranks)}"
+    for rank, events in ranks.items():
+        passes = [e for e in events if e["ev"] == "loader" and e["train"]]
+        assert len(passes) == epochs, f"rank {rank}: {len(passes)} training passes, not {epochs}"
+    verdicts = {c.name: c for c in tracecheck.judge(trace_dir)}
+    wrong = [str(verdicts[name]) for name in checks if verdicts[name].verdict != "ok"]
+    assert not wrong, "\n".join(wrong)
+    return verdicts

@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 
 import common
-from harness import PYTHON, REPO, check_shards, exits, make, python, run
+from harness import PYTHON, REPO, check_trace, exits, make, python, run, traced
 
 SHORT = "--dataset mnist-standin --data-dir {} --epochs 1 --max-steps 20 --timeout 60"
 
 
 @pytest.mark.slow
-def test_two_nodes_by_hand_over_tcp(data_dir):
-    res = make("multinode-tcp", "NNODES=2", "NPROC=2", "ARGS=--show-shards " + SHORT.format(data_dir), timeout=240)
-    check_shards(res.stdout, world_size=4, epochs=1)
-    assert res.final["ranks_agree"] == "True"
-    for rank, node, local in ((0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)):
-        assert f"rank {rank} (node {node}, local rank {local}) of 4 joined via tcp" in res.stdout
+def test_two_nodes_by_hand_over_tcp(data_dir, tmp_path):
+    res = make("multinode-tcp", "NNODES=2", "NPROC=2", "ARGS=" + SHORT.format(data_dir),
+               env=traced(tmp_path / "trace"), timeout=240)
+    check_trace(tmp_path / "trace", world_size=4, epochs=1, checks=("shards", "ddp", "buffers", "eval", "eval_sum"))
+    for rank, local in ((0, 0), (1, 1), (2, 0), (3, 1)):
+        assert f"rank {rank} (local rank {local}) of 4 joined via tcp://" in res.stdout
     assert "--node-rank 1 --local-rank 1" in res.stdout, "each process's command is printed"
     assert res.final["world_size"] == 4 and res.final["test_samples"] == 4000
 
@@ -78,15 +78,14 @@ def test_a_missing_node_fails_in_seconds_not_minutes(rdzv, data_dir):
 
 @pytest.mark.slow
 def test_a_missing_rank_fails_every_started_process_with_a_clear_message(data_dir):
-    """World size 3, only ranks 0 and 1 started: both fail within the 5 s timeout, naming the problem."""
+    """World size 3, only ranks 0 and 1 started: both fail within the 5 s timeout, in PyTorch's own words."""
     port = str(common.free_port())
     out = run(["bash", "-c", "".join(  # both in the background; `wait PID` gives each one's exit status
         f"{PYTHON} 04_multinode_tcp/mnist_tcp.py --init-method tcp://127.0.0.1:{port} --world-size 3 "
         f"--rank {r} --timeout 5 {SHORT.format(data_dir).replace('--timeout 60', '')} & p{r}=$!; " for r in (0, 1))
         + "wait $p0; a=$?; wait $p1; b=$?; echo exits $a $b"], timeout=60)
     assert "exits 1 1" in out.stdout, out.tail()
-    assert "the group did not form within --timeout 5 s" in out.stderr
-    assert "2/3 clients joined" in out.stderr and "Start all 3 processes" in out.stderr
+    assert "Timed out after 5 seconds waiting for clients. 2/3 clients joined" in out.stderr, out.tail()
 
 
 def test_port_taken_and_bad_file_paths_get_clear_errors(tmp_path):
