@@ -94,6 +94,7 @@ def train(args, device, rank, world_size):
 @record  # torchrun: on failure, its summary shows this worker's real traceback
 def main():
     parser = argparse.ArgumentParser(description="MNIST with DDP, started by torchrun.")
+    parser.add_argument("--local-rank", "--local_rank", type=int, help="the deprecated launcher's; LOCAL_RANK wins")
     args = common.add_training_flags(parser).parse_args()
     # DDP: torchrun says who we are: RANK in the job, LOCAL_RANK on this node, and how many we are
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])

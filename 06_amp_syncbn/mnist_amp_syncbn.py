@@ -109,10 +109,10 @@ def main():
     parser = argparse.ArgumentParser(description="MNIST with DDP, mixed precision and SyncBatchNorm (torchrun).")
     parser.add_argument("--amp", default="auto", choices=("auto", "off", "fp16", "bf16"),
                         help="mixed precision; auto = fp16 on CUDA, bf16 on the CPU")
-    parser.add_argument("--use_mix_precision", "--use-mix-precision", action="store_const", const="fp16", dest="amp",
-                        help="the source notes' spelling of --amp fp16")
+    parser.add_argument("--use_mix_precision", action="store_const", const="fp16", dest="amp", help="= --amp fp16")
     parser.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks' samples")
     parser.add_argument("--clip-grad", type=float, help="clip the gradient norm to this")
+    parser.add_argument("--local-rank", "--local_rank", type=int, help="the deprecated launcher's; LOCAL_RANK wins")
     args = common.add_training_flags(parser).parse_args()
     # DDP: torchrun says who we are: RANK in the job, LOCAL_RANK on this node, and how many we are
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])

@@ -57,22 +57,27 @@ assert "gradients_averaged=True" in out
 # %% [markdown]
 # ## Each rank its own shard
 #
-# With `--show-shards` every rank prints what it trains on in each epoch: how many samples, their sum and sum of
-# squares, and a fingerprint of their order. The two ranks' shards together hold every training image once, and
-# each rank's order changes from epoch to epoch (`sampler.set_epoch`).
+# The course's tracer (`tools/tracer.py`, switched on by `run(..., trace=DIR)`) records, in every process, which
+# sample indices its loader hands out and the model's weights at the end. `shards(DIR)` lists per rank and epoch
+# how many samples it trained on and the first few; `checks(DIR)` judges the run. The two ranks' shards together
+# hold every training image once, each rank's order changes from epoch to epoch (`sampler.set_epoch`), and all
+# ranks end with the same weights and BatchNorm buffers.
 
 # %%
-out = run("python 02_ddp_spawn/mnist_spawn.py --nproc 2 --dataset mnist-standin --epochs 2 --max-steps 5 "
-          "--show-shards", quiet=True)
-shards = records(out, "shard")
-for epoch in (1, 2):
-    rows = sorted((s for s in shards if s["epoch"] == epoch), key=lambda s: s["rank"])
-    print(f"epoch {epoch}: " + "; ".join(f"rank {s['rank']} {s['samples']} samples" for s in rows)
-          + f"; together {sum(s['samples'] for s in rows)}, the sum of all indices: "
-          f"{sum(s['sum'] for s in rows) == 23999 * 24000 // 2}")
-orders = {s["rank"]: [t["order"] for t in shards if t["rank"] == s["rank"]] for s in shards}
-print("every rank's order changes between epochs:", all(len(set(o)) == 2 for o in orders.values()))
-print("all ranks end with the same weights:", final(out)["ranks_agree"])
+import tempfile
+
+from nbhelpers import checks, shards
+
+trace = tempfile.mkdtemp()
+out = run("python 02_ddp_spawn/mnist_spawn.py --nproc 2 --dataset mnist-standin --epochs 2 --max-steps 5",
+          quiet=True, trace=trace)
+for row in shards(trace):
+    print(f"rank {row['rank']}, epoch {row['epoch']}: {row['samples']} samples, first {row['first']}")
+verdicts = checks(trace)
+for name in ("shards", "order", "ddp", "buffers"):
+    print(f"{name}: {verdicts[name][0]} ({verdicts[name][1]})")
+assert sum(r["samples"] for r in shards(trace) if r["epoch"] == 1) == 24000
+assert all(verdicts[name][0] == "ok" for name in ("shards", "order", "ddp", "buffers"))
 
 # %% [markdown]
 # ## MNIST on 1 and 2 processes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -48,7 +49,11 @@ def final(output: str) -> dict:
 
 
 def records(output: str, kind: str) -> list[dict]:
-    """Every `kind: key=value ...` line of a run (kind: step, epoch, shard, final), as dicts."""
+    """Every `kind: key=value ...` line of a run (kind: step, final), as dicts. kind "epoch" reads the
+    `epoch E/N: key=value ...` lines, with E as "epoch"."""
+    if kind == "epoch":
+        return [{"epoch": int(m[1]), **course.parse_lines(f"epoch: {m[2]}", "epoch")[0]}
+                for m in re.finditer(r"^epoch (\d+)/\d+: (.*)$", output, re.MULTILINE)]
     return course.parse_lines(output, kind)
 
 

@@ -47,6 +47,8 @@ class ArgumentParser(argparse.ArgumentParser):
             about_flags = message.startswith(("argument ", "unrecognized arguments", "the following arguments"))
             hints = [f"the source notes' {flag} -> {NOTES_SPELLINGS[flag]}" for flag in _unrecognized(message)
                      if flag in NOTES_SPELLINGS]
+            if "--local-rank" in message and "," in message:
+                hints.append("torchrun gives every process its own LOCAL_RANK: drop --local_rank")
             said = "; ".join(hints) if hints else "--help lists them" if about_flags else ""
             sys.stderr.write(f"{self.prog}: error: {message}{f' ({said})' if said else ''}\n")
         self.exit(2)
