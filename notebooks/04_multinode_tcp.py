@@ -28,34 +28,41 @@
 # uses GPU `local_rank` of its own machine. In the script:
 
 # %%
-from nbhelpers import final, records, run, show
+from nbhelpers import final, run, show
 
 show("04_multinode_tcp/mnist_tcp.py", "global_rank")
 
 # %% [markdown]
 # ## The simulation
 #
-# `launch_local.sh` starts the four processes with `--node-rank` and `--local-rank`; each reports the rank it
-# computed once it has joined, and, with `--show-shards`, what it trains on. The lines arrive in any order; sorted
-# by rank they must match the arithmetic, and the four shards must cover the training set once.
+# `launch_local.sh` starts the four processes with `--node-rank` and `--local-rank` and prints each command; each
+# process reports the rank it computed once it has joined. The lines arrive in any order; sorted by rank they must
+# match the arithmetic. The course's tracer (`run(..., trace=DIR)`) records what each rank trains on: the four
+# shards must cover the training set once, and all ranks must end with the same weights.
 
 # %% tags=["nbval-skip"]
 import re
+import tempfile
 
+from nbhelpers import checks, shards
+
+trace = tempfile.mkdtemp()
 out = run("make --no-print-directory multinode-tcp NNODES=2 NPROC=2 EPOCHS=1 DATASET=mnist-standin "
-          "ARGS='--max-steps 40 --show-shards'", quiet=True)
-joined = sorted((int(r), int(n), int(lr)) for r, n, lr in
-                re.findall(r"rank (\d+) \(node (\d+), local rank (\d+)\) of 4 joined via tcp", out))
-shards = {s["rank"]: s for s in records(out, "shard")}
-for rank, node, local in joined:
-    print(f"rank {rank}: node {node}, local rank {local}, {node} x 2 + {local} = {node * 2 + local}; "
-          f"trains on {shards[rank]['samples']} samples")
-    assert rank == node * 2 + local
-assert [r for r, _, _ in joined] == [0, 1, 2, 3] and sum(s["samples"] for s in shards.values()) == 24000
+          "ARGS='--max-steps 40'", quiet=True, trace=trace)
+started = {(int(n), int(lr)) for n, lr in re.findall(r"--node-rank (\d+) --local-rank (\d+)", out)}
+joined = sorted((int(r), int(lr)) for r, lr in re.findall(r"rank (\d+) \(local rank (\d+)\) of 4 joined via tcp", out))
+samples = {row["rank"]: row["samples"] for row in shards(trace)}
+for rank, local in joined:
+    node = next(n for n, lr in started if lr == local and n * 2 + lr == rank)  # the command that made this rank
+    print(f"rank {rank}: started as node {node}, local rank {local}: {node} x 2 + {local} = {node * 2 + local}; "
+          f"trains on {samples[rank]} samples")
+assert [r for r, _ in joined] == [0, 1, 2, 3] and len(started) == 4 and sum(samples.values()) == 24000
 summary = final(out)
-print(f"final: world_size={summary['world_size']} test_samples={summary['test_samples']} "
-      f"ranks_agree={summary['ranks_agree']}")
+verdicts = checks(trace)
+print(f"final: world_size={summary['world_size']} test_samples={summary['test_samples']}; "
+      f"shards: {verdicts['shards'][0]}; same weights on every rank: {verdicts['ddp'][0]}")
 assert summary["world_size"] == 4 and summary["test_samples"] == 4000
+assert verdicts["shards"][0] == "ok" and verdicts["ddp"][0] == "ok" and verdicts["buffers"][0] == "ok"
 
 # %% [markdown]
 # On real machines the only differences are the address in `--init-method` (node 0's, reachable from every

@@ -32,13 +32,22 @@ from nbhelpers import final, records, run, show
 show("06_amp_syncbn/mnist_amp_syncbn.py", marked="AMP:")
 
 # %% tags=["nbval-skip"]
+import tempfile
+
+from nbhelpers import checks
+
 args = "--dataset mnist-standin --epochs 1 --max-steps 120 --log-every 10 --sync-bn"
-runs = {amp: run(f"make --no-print-directory amp-syncbn NPROC=2 ARGS='{args} --amp {amp}'", quiet=True)
-        for amp in ("off", "auto")}
+runs, traces = {}, {}
+for amp in ("off", "auto"):
+    traces[amp] = tempfile.mkdtemp()  # the tracer checks that both ranks end with the same weights and buffers
+    runs[amp] = run(f"make --no-print-directory amp-syncbn NPROC=2 ARGS='{args} --amp {amp}'", quiet=True,
+                    trace=traces[amp])
 for amp, out in runs.items():
-    summary = final(out)
-    print(f"--amp {amp}: test_samples={summary['test_samples']} sync_bn={summary['sync_bn']}")
-    assert summary["test_samples"] == 4000 and summary["ranks_agree"] == "True"
+    summary, verdicts = final(out), checks(traces[amp])
+    same = verdicts["ddp"][0] == "ok" and verdicts["buffers"][0] == "ok"
+    print(f"--amp {amp}: test_samples={summary['test_samples']} amp={summary['amp']} sync_bn={summary['sync_bn']}"
+          f"; same weights and buffers on both ranks: {same}")
+    assert summary["test_samples"] == 4000 and same
 
 # %% tags=["nbval-skip"]
 import matplotlib.pyplot as plt

@@ -44,25 +44,31 @@ def sanitize(text: str) -> str:
 
 SAVED_HERE = """\
 torch 2.14.1+cu130 (CUDA 13.0), no CUDA GPU visible; this run: 2 process(es) per node on cpu with gloo
-torchrun gave 2 processes, 2 on this node; restart 0
-training ConvNet on mnist-standin (24000 train / 4000 test images) with 2 process(es) on cpu, batch 64 per process
-training ConvNet on mnist-standin (24000 train / 4000 test images) on cpu, batch 64, 1 epoch(s)
-rank 3 (node 1, local rank 1) of 4 joined via tcp on vm
+2 processes, 2 on this node, on cpu with gloo
+2 processes on cpu with gloo, amp bf16, sync-bn True
+1 process on cpu
+rank 3 (local rank 1) of 4 joined via tcp://127.0.0.1:38771
 resumed from /tmp/tmpcmw46pzm/elastic/recovered/mnist_torchrun.pt after epoch 1
-final: test_acc=0.9712 test_samples=4000 world_size=2 epochs=3 seconds=12.5 dataset=mnist-standin weights=8c56478f \
-ranks_agree=True restarts=0
+epoch 1/3: train_loss=0.1234 test_loss=0.2345 test_acc=0.9712
+rank 0, epoch 1: 12000 samples, first [44, 18931, 16511, 643, 6233]
+ddp: ok (every rank trains a DDP model and ends with the same weights)
+final: test_acc=0.9712 test_samples=4000 world_size=2 epochs=3 seconds=12.5 dataset=mnist-standin
+final: test_acc=0.9690 test_samples=4000 world_size=2 epochs=1 seconds=20.5 dataset=mnist-standin amp=bf16 sync_bn=True
 """
 
 ELSEWHERE = """\
 torch 2.14.1+cu130 (CUDA 13.0), 8 GPU(s): NVIDIA H100 80GB HBM3; this run: 2 process(es) per node on cuda with nccl
 NOTE: THIS RUN USES THE CPU although 8 GPU(s) are visible: --device cpu was asked for.
-torchrun gave 2 processes, 2 on this node; restart 0
-training ConvNet on mnist-standin (24000 train / 4000 test images) with 2 process(es) on cuda, batch 64 per process
-training ConvNet on mnist-standin (24000 train / 4000 test images) on cuda:0, batch 64, 1 epoch(s)
-rank 3 (node 1, local rank 1) of 4 joined via tcp on gpu-node-17
+2 processes, 2 on this node, on cuda with nccl
+2 processes on cuda with nccl, amp fp16, sync-bn True
+1 process on cuda
+rank 3 (local rank 1) of 4 joined via tcp://10.1.0.17:29500
 resumed from /scratch/job-881/elastic/recovered/mnist_torchrun.pt after epoch 1
-final: test_acc=0.9698 test_samples=4000 world_size=2 epochs=3 seconds=3.1 dataset=mnist-standin weights=0a1b2c3d \
-ranks_agree=True restarts=0
+epoch 1/3: train_loss=0.1301 test_loss=0.2297 test_acc=0.9698
+rank 0, epoch 1: 12000 samples, first [44, 18931, 16511, 643, 6233]
+ddp: ok (every rank trains a DDP model and ends with the same weights)
+final: test_acc=0.9698 test_samples=4000 world_size=2 epochs=3 seconds=3.1 dataset=mnist-standin
+final: test_acc=0.9701 test_samples=4000 world_size=2 epochs=1 seconds=4.2 dataset=mnist-standin amp=fp16 sync_bn=True
 """
 
 
@@ -74,7 +80,9 @@ def test_what_the_lesson_is_about_still_compares():
     """Counts, world sizes, ranks and data set names are not masked: a change there must fail the notebook."""
     for changed in (SAVED_HERE.replace("test_samples=4000", "test_samples=4002"),
                     SAVED_HERE.replace("world_size=2", "world_size=1"),
-                    SAVED_HERE.replace("rank 3 (node 1", "rank 2 (node 1"),
-                    SAVED_HERE.replace("restart 0", "restart 1"),
-                    SAVED_HERE.replace("ranks_agree=True", "ranks_agree=False")):
+                    SAVED_HERE.replace("rank 3 (local rank 1", "rank 2 (local rank 1"),
+                    SAVED_HERE.replace("epoch 1/3", "epoch 2/3"),
+                    SAVED_HERE.replace("12000 samples", "12001 samples"),
+                    SAVED_HERE.replace("sync_bn=True", "sync_bn=False"),
+                    SAVED_HERE.replace("ddp: ok", "ddp: wrong")):
         assert sanitize(changed) != sanitize(SAVED_HERE)
