@@ -37,7 +37,7 @@ CHECK = COURSE_CHECK_ONLY=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=$(NPROC) LOCAL_WORLD_
         dataparallel dp-shapes ddp-basics ddp-equivalence ddp-spawn ddp-timeline \
         ddp-torchrun init-check ddp-minimal elastic-restart elastic-stress exit-stress launch-legacy \
         multinode-tcp multinode-file multinode-torchrun multinode-spawn multinode-netns check-nnodes \
-        collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo errors \
+        collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo errors doctor \
         amp-syncbn syncbn-proof grad-accum cifar-resnet \
         bench bench-quick bench-throughput bench-amp bench-buckets bench-allreduce bench-hooks bench-versions gpu-check
 
@@ -204,6 +204,11 @@ hang-demo: $(STAMP) check-nproc ## a rank takes a different path: fails in secon
 	@echo "--- 2/2 rank 1 is stuck; rank 0 waits in monitored_barrier"
 	@if $(TORCHRUN) 05_collectives/hang_demo.py --mode straggler $(ARGS); then \
 	  echo "error: the straggler was not detected"; exit 1; else echo "--- failed in seconds, as it should"; fi
+
+SCRIPT ?=
+doctor: $(STAMP) ## check-up of your own DDP script: make doctor SCRIPT=/path/to/train.py ARGS="--epochs 2" [NPROC=2]
+	@test -n "$(SCRIPT)" || { echo "error: name your script: make doctor SCRIPT=/path/to/train.py ARGS='--epochs 2'" >&2; exit 2; }
+	$(PY) tools/doctor.py --nproc $(if $(filter 0 1,$(NPROC)),2,$(NPROC)) $(abspath $(SCRIPT)) $(ARGS)
 
 errors: $(STAMP) ## the error gallery: each classic DDP error made on purpose, broken then fixed (about 2 minutes)
 	$(PY) 05_collectives/error_gallery.py $(ARGS)

@@ -88,7 +88,6 @@ def worker(rank, world_size, args, port):
     finally:
         workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()
-    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
 
 
 def main():

@@ -96,6 +96,7 @@ def main():
     args.dataset = common.prepare_data(args.dataset, args.data_dir)  # download or write the data, once
     os.environ["MASTER_ADDR"] = "127.0.0.1"  # DDP: mp.spawn's workers all run on this machine
     os.environ["MASTER_PORT"] = str(common.free_port())  # DDP: a free port now; a fixed one may be taken
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N processes x all cores would fight
     mp.spawn(main_worker, args=(args.nproc, args), nprocs=args.nproc)  # DDP: rank = 0 .. nproc-1, first argument
 
 

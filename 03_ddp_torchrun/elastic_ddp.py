@@ -73,4 +73,3 @@ if __name__ == "__main__":
     finally:
         workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()
-    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

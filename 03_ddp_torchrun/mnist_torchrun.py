@@ -96,13 +96,14 @@ def main():
     parser = argparse.ArgumentParser(description="MNIST with DDP, started by torchrun.")
     parser.add_argument("--local-rank", "--local_rank", type=int, help="the deprecated launcher's; LOCAL_RANK wins")
     args = common.add_training_flags(parser).parse_args()
-    # DDP: torchrun says who we are: RANK in the job, LOCAL_RANK on this node, and how many we are
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size, local_world_size = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    # DDP: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK (on this node); the old launcher passes --local-rank
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank if args.local_rank is None else args.local_rank))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # by hand on one machine: all here
     device, backend = common.device_and_backend(args.device, args.backend, local_rank, local_world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
-    # DDP: env:// reads torchrun's variables; NCCL gets this process's GPU, Gloo needs none
+    # DDP: env:// reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; NCCL gets this process's GPU
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     try:

@@ -18,6 +18,7 @@ if [[ ! $method =~ ^(tcp|file)$ || ! $nnodes =~ ^[1-9][0-9]*$ || ! $nproc =~ ^[1
 fi
 shift 3
 py=${PYTHON:-python}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # as torchrun does: every process on this machine shares its cores
 world=$((nnodes * nproc))
 
 workdir=$(mktemp -d)

@@ -81,7 +81,6 @@ def worker(local_rank, counts, args):
     finally:
         workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()  # DDP: leave the group, also after an error
-    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
 
 
 def simulate(counts: list[int], args) -> int:

@@ -16,7 +16,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import workarounds
 from tools import course
 
 DTYPES = (torch.float32, torch.float16, torch.int64)
@@ -150,4 +149,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

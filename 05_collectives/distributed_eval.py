@@ -22,7 +22,6 @@ from torch.utils.data import Subset
 from torch.utils.data.distributed import DistributedSampler
 
 import common
-import workarounds
 from tools import course, data
 
 
@@ -102,4 +101,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

@@ -399,7 +399,4 @@ def _shorten(text: str, width: int = 160) -> str:
 
 
 if __name__ == "__main__":
-    code = main()
-    if "RANK" in os.environ:
-        workarounds.leave(code)  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
-    sys.exit(code)
+    sys.exit(main())

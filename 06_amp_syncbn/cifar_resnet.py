@@ -150,4 +150,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

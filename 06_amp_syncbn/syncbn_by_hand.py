@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import workarounds
 from tools import course
 
 
@@ -151,4 +150,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

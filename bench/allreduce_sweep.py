@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 import benchlib
-import workarounds
 from tools import course
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -207,4 +206,3 @@ def report(rows, ring, ws, backend, device, limit, args):
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

@@ -171,4 +171,3 @@ def report(args, cfg, results, device, backend):
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

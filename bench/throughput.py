@@ -136,7 +136,6 @@ def ddp_worker(rank: int, ws: int, cfg: dict, out: str, launched_at: float, init
 
 def spawn_entry(rank, ws, cfg, out, launched_at, port):
     ddp_worker(rank, ws, cfg, out, launched_at, f"tcp://127.0.0.1:{port}")
-    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run
 
 
 def run_spawn(ws: int, cfg: dict, tmp: str) -> dict:
@@ -342,4 +341,3 @@ def report(args, cfg, device, backend, variants, per_round, world_sizes, note):
 
 if __name__ == "__main__":
     main()
-    workarounds.leave()  # workaround: os._exit, as Gloo's teardown at exit can abort a finished run

@@ -153,9 +153,9 @@ def exits(calls: list[tuple], env: dict | None = None, timeout: float = 300) -> 
     """(exit code, stdout, stderr) of each call (SCRIPT, ARGV) or (SCRIPT, ARGV, ENV) that ends before it trains.
 
     For help, bad input and checks: all calls run in one interpreter, which imports torch once instead of once
-    per call. `env` applies to every call, a call's ENV on top of it. The script's `__main__` block runs as usual,
-    except that workarounds.leave() returns instead of ending the process (COURSE_WORKAROUNDS=off). A SystemExit
-    with a message gives the message as its code.
+    per call. `env` applies to every call, a call's ENV on top of it. The script's `__main__` block runs as usual
+    (COURSE_WORKAROUNDS=off: no workaround changes how it ends). A SystemExit with a message gives the message as
+    its code.
     """
     import json
 

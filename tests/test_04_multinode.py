@@ -52,7 +52,7 @@ def test_simulated_nodes_split_the_gpus_or_fall_back_to_the_cpu():
 @pytest.mark.slow
 def test_two_nodes_through_a_fresh_file(data_dir):
     res = make("multinode-file", "NNODES=2", "NPROC=2", "ARGS=" + SHORT.format(data_dir), timeout=240)
-    assert "rank 3 (node 1, local rank 1) of 4 joined via file" in res.stdout
+    assert "rank 3 (local rank 1) of 4 joined via file://" in res.stdout
     assert res.final["world_size"] == 4 and res.final["test_samples"] == 4000
 
 
@@ -85,7 +85,7 @@ def test_a_missing_rank_fails_every_started_process_with_a_clear_message(data_di
         f"--rank {r} --timeout 5 {SHORT.format(data_dir).replace('--timeout 60', '')} & p{r}=$!; " for r in (0, 1))
         + "wait $p0; a=$?; wait $p1; b=$?; echo exits $a $b"], timeout=60)
     assert "exits 1 1" in out.stdout, out.tail()
-    assert "Timed out after 5 seconds waiting for clients. 2/3 clients joined" in out.stderr, out.tail()
+    assert re.search(r"Timed out after [56] seconds waiting for clients. 2/3 clients joined", out.stderr), out.tail()
 
 
 def test_port_taken_and_bad_file_paths_get_clear_errors(tmp_path):

@@ -1,6 +1,7 @@
 """The source notes' own command lines, with the course's scripts: each one runs, or fails in one line that names
-the course's way. Runs are checks only (make's preflight, or COURSE_CHECK_ONLY=1 for the other scripts: the flags
-are parsed and checked, the data prepared, then the script stops), all in one interpreter, so that every command costs well under a second."""
+the course's way. Runs are checks only (make's preflight, or COURSE_CHECK_ONLY=1 for the other scripts: the
+flags are parsed and checked, the data prepared, then the script stops), all in one interpreter, so that every
+command costs well under a second."""
 
 import re
 import shlex

@@ -487,8 +487,8 @@ def progress(iterable, rank: int, desc: str = "", total: int | None = None):
     """A tqdm bar on rank 0; on other ranks the bare iterable."""
     if rank != 0:
         return iterable
-    # tqdm's default lock is a multiprocessing semaphore, reported as "leaked" at exit when a worker leaves with
-    # os._exit (workarounds.leave); only rank 0 draws, so a thread lock is all it needs
+    # tqdm's default lock is a multiprocessing semaphore, reported as "leaked" when a worker ends abruptly;
+    # only rank 0 draws, so a thread lock is all it needs
     tqdm.set_lock(threading.RLock())
     interactive = sys.stderr.isatty()
     return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True,

@@ -105,7 +105,8 @@ class _Watched:
         if not train:
             _digest("eval")
         record("loader", train=train, sampler=type(sampler).__name__, settings=settings, indices=flat,
-               batches=len(items), dataset_len=_len(dataset), loader=id(self._loader))
+               batches=len(items), dataset_len=_len(dataset), loader=id(self._loader),
+               batch_size=getattr(self._loader, "batch_size", None))
         limit = int(os.environ.get("COURSE_TRACE_MAX_BATCHES", "0") or 0)
         fail = os.environ.get("COURSE_FAIL_AT", "")
         for n, item in enumerate(items):
