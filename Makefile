@@ -11,10 +11,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 # GPUs this machine shows (nvidia-smi, narrowed by CUDA_VISIBLE_DEVICES when set): NPROC's default is one
-# process per GPU, so that a GPU user's first run trains on the GPUs; 2 processes on a machine without any
+# process per GPU, so that a GPU user's first run trains on the GPUs; 2 processes on a machine with fewer than 2,
+# because the targets compare ranks (with one GPU they run on the CPU and say so, or share it: BACKEND=gloo
+# ARGS=--device cuda)
 GPUS    := $(shell if [ -n "$${CUDA_VISIBLE_DEVICES+set}" ]; then echo "$$CUDA_VISIBLE_DEVICES" | tr ',' '\n' \
              | grep -c .; else nvidia-smi -L 2>/dev/null | grep -c '^GPU'; fi)
-NPROC   ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
+NPROC   ?= $(if $(filter-out 0 1,$(GPUS)),$(GPUS),2)
 NNODES  ?= 2
 BACKEND ?=
 EPOCHS  ?=
@@ -43,7 +45,7 @@ CHECK = COURSE_CHECK_ONLY=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=$(NPROC) LOCAL_WORLD_
 
 help: ## list the targets
 	@echo "usage: make TARGET [NPROC=$(NPROC)] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
-	@echo "NPROC defaults to one process per GPU ($(GPUS) visible), or 2 without GPUs"
+	@echo "NPROC defaults to one process per GPU ($(GPUS) visible), or 2 with fewer than 2 GPUs"
 	@grep -hE '^[a-z0-9][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-18s %s\n", $$1, $$2}'
 
 # ------------------------------------------------------------------ setup

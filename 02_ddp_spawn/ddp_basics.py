@@ -54,9 +54,11 @@ def run_demo(rank, world_size, args):
         torch.cuda.set_device(device)  # this process's GPU, before anything touches CUDA
     else:
         course.share_cpu_threads(world_size)
-    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=args.timeout),
-                            device_id=device if args.backend == "nccl" else None)
+    # env://, as the notes' setup() does: MASTER_ADDR and MASTER_PORT come from the parent's environment. A model
+    # that spans two GPUs binds no device: NCCL would refuse the half that lives on the other one
+    bind = args.backend == "nccl" and args.demo != "model-parallel"
+    dist.init_process_group(args.backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout), device_id=device if bind else None)
     try:
         DEMOS[args.demo](rank, world_size, device, args)
         dist.barrier()  # every rank finishes its work before any tears the group down
@@ -179,7 +181,8 @@ def main():
         parser.error(str(err))
     gpus_each = 2 if args.demo == "model-parallel" else 1
     course.say(course.runtime_report(torch.device(args.device), args.backend, args.nproc, gpus_each))
-    args.port = common.free_port()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"  # the workers all run on this machine
+    os.environ["MASTER_PORT"] = str(common.free_port())  # a free port now; a fixed one may be taken
 
     with tempfile.TemporaryDirectory() as workdir:
         args.workdir = workdir  # shared by all ranks on this machine (the checkpoint demo)

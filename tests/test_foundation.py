@@ -235,8 +235,10 @@ def test_the_harness_fails_a_command_that_leaves_a_process_behind_and_stops_it()
     assert not alive, f"the leftover was not stopped: {alive}"
 
 
-@pytest.mark.parametrize("gpus, visible, expected", [(0, None, 2), (3, None, 3), (3, "0", 1), (3, "", 2)])
-def test_nproc_defaults_to_one_process_per_gpu_and_to_2_without_gpus(tmp_path, gpus, visible, expected):
+@pytest.mark.parametrize("gpus, visible, expected", [(0, None, 2), (1, None, 2), (3, None, 3), (3, "0", 1 + 1),
+                                                     (3, "", 2)])
+def test_nproc_defaults_to_one_process_per_gpu_and_to_2_with_fewer_gpus(tmp_path, gpus, visible, expected):
+    """Targets compare ranks: never fewer than 2 processes, also on a machine with one GPU."""
     fake = tmp_path / "nvidia-smi"  # what nvidia-smi -L prints on a machine with `gpus` GPUs
     fake.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n" for i in range(gpus)))
     fake.chmod(0o755)

@@ -117,6 +117,11 @@ def extra_checks(ranks: dict, code: int | None, output: str) -> list[tracecheck.
     else:
         checks.append(tracecheck.Check("finish", "advice", f"the run ended with exit code {code} (output below)"))
     inits = [e for ev in ranks.values() for e in ev if e["ev"] == "init"]
+    if inits and inits[0].get("timeout") is None:
+        checks.append(tracecheck.Check("timeout", "advice", "init_process_group() got no timeout=: a rank that "
+                                                            "skips a collective makes the others wait the backend's "
+                                                            "default (30 min Gloo, 10 min NCCL); pass a short one "
+                                                            "(section 02)"))
     if inits:
         world = inits[0]["world_size"]
         sizes = {e.get("batch_size") for ev in ranks.values() for e in ev if e["ev"] == "loader" and e["train"]}
@@ -151,8 +156,8 @@ def main(argv=None) -> int:
     trace = Path(tempfile.mkdtemp(prefix="course-doctor-"))
     try:
         how = "itself (mp.spawn)" if spawn else f"under torchrun with {opts.nproc} processes"
-        print(f"doctor: running {opts.script} {' '.join(opts.args)} {how}, {opts.batches} training batches per "
-              f"epoch, at most {opts.timeout:g} s", flush=True)
+        print(f"doctor: running {' '.join([str(opts.script), *opts.args])} {how}, {opts.batches} training batches "
+              f"per epoch, at most {opts.timeout:g} s", flush=True)
         code, output, left = launch(opts.script.resolve(), opts.args, opts.nproc, spawn, trace, opts.batches,
                                     opts.timeout)
         if code is None:
@@ -172,7 +177,8 @@ def main(argv=None) -> int:
         for check in checks:
             print(f"  {check}")
         wrong = [c.name for c in checks if c.verdict == "wrong"]
-        print(f"verdict: {'WRONG: ' + ', '.join(wrong) if wrong else 'nothing wrong found'}")
+        print(f"verdict: {'WRONG: ' + ', '.join(wrong) if wrong else 'nothing wrong found'} (each classic error, made "
+              f"on purpose and fixed: make errors)")
         if code != 0:
             print("\n".join(output.strip().splitlines()[-15:]), file=sys.stderr)
         return 1 if wrong else 0

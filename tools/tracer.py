@@ -5,7 +5,7 @@ COURSE_TRACE=DIR and tools/trace/ on PYTHONPATH (see tools/trace/sitecustomize.p
 then calls install(DIR) at start-up, which wraps a few PyTorch entry points, and appends one JSON line per event
 to DIR/trace-PID.jsonl:
 
-    init      init_process_group: backend, world size, rank, torchrun's restart count
+    init      init_process_group: backend, world size, rank, torchrun's restart count, the timeout= given
     loader    a DataLoader starts an epoch: training or evaluation (autograd on or off), the sampler's kind and
               settings, and every index it will hand out in that pass
     set_epoch DistributedSampler.set_epoch(epoch)
@@ -169,8 +169,10 @@ def install(trace_dir: str) -> None:
     _wrap(torch, "save", before=lambda obj, f, *a, **k: record("save", path=os.path.abspath(
         f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", "?"))))
 
-    def initialised(*_, **__):
+    def initialised(*_, **kwargs):
+        timeout = kwargs.get("timeout")
         record("init", backend=str(dist.get_backend()), world_size=dist.get_world_size(),
+               timeout=timeout.total_seconds() if hasattr(timeout, "total_seconds") else None,
                attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                local_rank=os.environ.get("LOCAL_RANK"))
 
