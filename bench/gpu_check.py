@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,6 +49,17 @@ class Step:
 
 def make(target: str, **variables) -> list[str]:
     return ["make", "--no-print-directory", target] + [f"{k}={v}" for k, v in variables.items() if v is not None]
+
+
+def can_make_netns() -> bool:
+    """Root alone is not enough: a container without CAP_SYS_ADMIN (a typical rented GPU) refuses `ip netns add`."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return False
+    name = f"ddp-probe-{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode != 0:
+        return False
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    return True
 
 
 def plan(gpus: int, is_root: bool = True, bench_out: str = "bench/results") -> list[Step]:
@@ -95,7 +108,7 @@ def plan(gpus: int, is_root: bool = True, bench_out: str = "bench/results") -> l
     steps.append(Step("multinode-spawn", make("multinode-spawn", PROCS="2,1" if gpus >= 3 else "1,1"),
                       note="" if gpus >= 2 else "2 machines need 2 GPUs: they run on the CPU"))
     steps.append(Step("multinode-netns", make("multinode-netns", NPROC=nodes_proc, EPOCHS=1, ARGS=short),
-                      skip="" if is_root else "needs root (network namespaces)",
+                      skip="" if is_root else "needs root allowed to create network namespaces",
                       note="" if many else "2 hosts need 2 GPUs: they run on the CPU"))
     for target in ("collectives", "p2p", "ddp-from-scratch", "hang-demo"):
         steps.append(Step(target, make(target, NPROC=nproc), note=cpu_note))
@@ -212,7 +225,7 @@ def main(argv=None) -> int:
                        "False). `--list --gpus 1` shows what it would run.\n")
     out_dir = Path(args.output_dir).resolve()
     os.chdir(REPO)  # every step is a command of the course, run from its root
-    steps = plan(gpus, is_root=os.geteuid() == 0, bench_out=str(out_dir))
+    steps = plan(gpus, is_root=can_make_netns(), bench_out=str(out_dir))
     if args.only:
         wanted = set(args.only.split(","))
         unknown = wanted - {s.name for s in steps}

@@ -32,7 +32,7 @@ def test_three_processes_count_every_test_image_once(data_dir):
 
 
 def elastic_run(data_dir, tmp_path, device):
-    res = make("elastic-restart", f"ELASTIC={tmp_path}/elastic", "FAIL_AT=20",
+    res = make("elastic-restart", "NPROC=2", f"ELASTIC={tmp_path}/elastic", "FAIL_AT=20",  # 2: bitwise on any machine
                f"ARGS=--epochs 2 --max-steps 15 --timeout 30 --device {device} " + STANDIN.format(data_dir)
                + (" --backend gloo" if device == "cuda" and course.gpu_count() < 2 else ""), timeout=300)
     assert "RuntimeError: simulated failure of rank 1 at training batch 20" in res.output

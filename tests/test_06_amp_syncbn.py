@@ -65,8 +65,8 @@ def test_two_ranks_of_b_equal_one_process_of_2b_through_the_real_scripts(data_di
     gradients and the all_reduce batch norm sees the 64 images, so the weights must agree to float rounding.
     """
     common_args = [*STANDIN.format(data_dir).split(), "--epochs", "1", "--max-steps", "1"]
-    run([PYTHON, REPO / "01_dataparallel/mnist_single.py", *common_args, "--batch-size", "64",
-         "--checkpoint-dir", tmp_path / "one"], timeout=120)
+    run([PYTHON, REPO / "01_dataparallel/mnist_single.py", *common_args, "--batch-size", "64", "--device", "cpu",
+         "--checkpoint-dir", tmp_path / "one"], timeout=120)  # the CPU on any machine: no TF32 convolutions
     run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
          *common_args, "--batch-size", "32", "--amp", "off", "--sync-bn", "--device", "cpu",
          "--checkpoint-dir", tmp_path / "two"], timeout=180)

@@ -172,7 +172,7 @@ def test_gpu_check_plans_every_target_for_the_gpus_present(gpus):
         assert var("bench-allreduce", "NPROC") == str(gpus) and not by_target["bench-allreduce"][0].skip
         assert var("multinode-tcp", "NPROC") == str(gpus // 2), "2 nodes x NPROC: one GPU per process"
     assert var("ddp-basics", "NPROC") == (str(gpus // 2) if gpus >= 4 else ("2" if gpus == 1 else str(gpus)))
-    assert by_target["multinode-netns"][0].skip == "needs root (network namespaces)"
+    assert by_target["multinode-netns"][0].skip == "needs root allowed to create network namespaces"
     assert not plan(gpus, is_root=True)[[s.name for s in steps].index("multinode-netns")].skip
 
 
