@@ -8,7 +8,14 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+VENV_STAMP := $(VENV)/.installed
+STAMP  := $(VENV_STAMP)
+# `make test PY=python3`: an interpreter that already holds torch (a cluster module, a container, a machine without
+# a package index) instead of the course's .venv; tools/check_torch.py says what it holds and refuses what cannot work
+ifeq ($(origin PY),command line)
+STAMP  := existing-python
+endif
+PYABS  := $(if $(findstring /,$(PY)),$(abspath $(PY)),$(PY))
 
 # GPUs this machine shows (nvidia-smi, narrowed by CUDA_VISIBLE_DEVICES when set): NPROC's default is one
 # process per GPU, so that a GPU user's first run trains on the GPUs; 2 processes on a machine with fewer than 2,
@@ -35,7 +42,7 @@ PREFLIGHT = $(PY) tools/preflight.py --nproc $(NPROC)
 CHECK = COURSE_CHECK_ONLY=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=$(NPROC) LOCAL_WORLD_SIZE=$(NPROC) $(PY)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data smoke test test-fast notebooks diffs mutants lint clean distclean check-nproc \
+.PHONY: help existing-python setup data smoke test test-fast notebooks diffs mutants lint clean distclean check-nproc \
         dataparallel dp-shapes ddp-basics ddp-equivalence ddp-spawn ddp-timeline \
         ddp-torchrun init-check ddp-minimal elastic-restart elastic-stress exit-stress launch-legacy \
         multinode-tcp multinode-file multinode-torchrun multinode-spawn multinode-netns check-nnodes \
@@ -50,7 +57,7 @@ help: ## list the targets
 
 # ------------------------------------------------------------------ setup
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-dev.lock pyproject.toml
+$(VENV_STAMP): requirements.txt requirements-dev.txt requirements-dev.lock pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: Python 3.10 or newer is needed, this is " + sys.version.split()[0])'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing torch 2.14.1, torchvision 0.29.1 and the dev tools into $(VENV) (about a minute) ..."
@@ -59,6 +66,9 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-dev.lock pyproject.
 	  || $(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	@touch $@
 	@echo "setup done: activate with 'source $(VENV)/bin/activate'"
+
+existing-python:
+	@$(PY) tools/check_torch.py
 
 setup: $(STAMP) ## create .venv and install the pinned dependencies (once; idempotent)
 
@@ -114,7 +124,7 @@ ddp-timeline: $(STAMP) check-nproc ## see DDP's all-reduce overlap backward: per
 # ------------------------------------------------------------------ 03: torchrun
 
 # --local-addr: single-node jobs never depend on this machine's host name resolving (it may not)
-TORCHRUN := $(VENV)/bin/torchrun --standalone --local-addr 127.0.0.1 --nproc-per-node $(NPROC)
+TORCHRUN := $(PY) -m torch.distributed.run --standalone --local-addr 127.0.0.1 --nproc-per-node $(NPROC)
 ELASTIC  ?= runs/elastic
 # the failure demo: rank FAIL_RANK fails at this training batch (counted over epochs) on the first attempt only
 FAIL_AT  ?= 250
@@ -190,7 +200,7 @@ p2p: $(STAMP) check-nproc ## send/recv, isend/irecv and a ring with batch_isend_
 	$(TORCHRUN) 05_collectives/p2p.py $(ARGS)
 
 backend-matrix: $(STAMP) ## measure which ops and dtypes this backend supports (ARGS="--output-dir DIR" keeps it)
-	$(VENV)/bin/torchrun --standalone --local-addr 127.0.0.1 --nproc-per-node 2 05_collectives/backend_matrix.py \
+	$(PY) -m torch.distributed.run --standalone --local-addr 127.0.0.1 --nproc-per-node 2 05_collectives/backend_matrix.py \
 	  $(if $(BACKEND),--backend $(BACKEND)) $(ARGS)
 
 ddp-eval: $(STAMP) check-nproc ## exact distributed evaluation with reduce vs the padded DistributedSampler count
@@ -239,7 +249,7 @@ cifar-resnet: $(STAMP) check-nproc ## ResNet-18 on CIFAR-10 (the stand-in offlin
 BENCH_OUT  ?= runs/bench
 BENCH_DATA ?= data
 QUICK      ?=
-BENCH_RUN := $(VENV)/bin/torchrun --standalone --local-addr 127.0.0.1 --nproc-per-node $(NPROC)
+BENCH_RUN := $(PY) -m torch.distributed.run --standalone --local-addr 127.0.0.1 --nproc-per-node $(NPROC)
 
 bench: $(STAMP) check-nproc ## the full benchmark set, one after the other (about 5 minutes on 2 CPU cores)
 	@$(MAKE) --no-print-directory bench-throughput bench-amp bench-buckets bench-allreduce bench-hooks ARGS=
@@ -278,7 +288,7 @@ PYTEST := $(PY) -m pytest
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 test: $(STAMP) ## lint, then everything that runs on CPU: unit, multi-process and notebook tests (CI runs this)
-	$(VENV)/bin/ruff check .
+	$(PY) -m ruff check .
 	$(PYTEST) tests notebooks $(NBVAL)
 
 test-fast: $(STAMP) ## the quick subset for the edit loop (no slow multi-process runs, no notebooks)
@@ -286,8 +296,8 @@ test-fast: $(STAMP) ## the quick subset for the edit loop (no slow multi-process
 
 notebooks: $(STAMP) ## write each .ipynb from its .py source (jupytext), execute it, keep its outputs
 	@cd notebooks && for nb in $(if $(NB),$(notdir $(NB)),0*.py); do echo "--- $$nb"; \
-	  ../$(VENV)/bin/jupytext --quiet --to ipynb --update "$$nb" && \
-	  ../$(PY) -m jupyter nbconvert --log-level WARN --to notebook --execute --inplace "$${nb%.py}.ipynb" || exit 1; \
+	  $(PYABS) -m jupytext --quiet --to ipynb --update "$$nb" && \
+	  $(PYABS) -m jupyter nbconvert --log-level WARN --to notebook --execute --inplace "$${nb%.py}.ipynb" || exit 1; \
 	done
 
 diffs: $(STAMP) ## rewrite the step-to-step diffs of the MNIST chain in the section READMEs
@@ -297,7 +307,7 @@ mutants: $(STAMP) ## break mnist_spawn.py on purpose (sampler, set_epoch, DDP, a
 	$(PY) tools/mutants.py $(ARGS)
 
 lint: $(STAMP) ## ruff
-	$(VENV)/bin/ruff check .
+	$(PY) -m ruff check .
 
 clean: ## remove checkpoints, runs and caches
 	rm -rf checkpoints runs .pytest_cache .ruff_cache

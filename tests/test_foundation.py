@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import common
 from harness import DEAD_PROXY, PYTHON, REPO, TORCHRUN, exits, make, python, run
@@ -142,6 +143,16 @@ def test_setup_pins_the_matched_pair_and_this_is_it():
     pins = (REPO / "requirements.txt").read_text()
     assert "torch==2.14.1" in pins and "torchvision==0.29.1" in pins
     assert torch.__version__.startswith("2.14.1") and torchvision.__version__.startswith("0.29.1")
+
+
+def test_make_runs_with_an_existing_interpreter_and_says_which_torch():
+    """`make ... PY=python3` (no .venv, no package index): the torch found is named, an interpreter without torch
+    is refused in one line."""
+    found = make("existing-python", f"PY={PYTHON}")
+    assert f"using {PYTHON}: torch {torch.__version__}" in found.stdout
+    refused = make("smoke", f"PY={PYTHON} -S", expect_rc=2)  # -S: without site-packages, so without torch
+    assert "has no torch; install torch==" in refused.stderr and "Traceback" not in refused.stderr
+    assert "pip install" not in make("-n", "test", "PY=python3").stdout
 
 
 def test_make_reinstalls_when_the_requirements_change():
