@@ -29,7 +29,11 @@ def main():
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
-    local_rank, procs_per_node = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # without LOCAL_RANK (started by hand with RANK and WORLD_SIZE exported, or by the old launcher): its
+    # --local-rank, or on one machine local rank = rank
+    fallback = args.local_rank if args.local_rank >= 0 else int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", fallback))
+    procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     try:
         device, backend = course.choose_device(args.device, args.backend, local_rank=local_rank,
                                                procs_per_node=procs_per_node)

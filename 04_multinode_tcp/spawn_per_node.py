@@ -24,6 +24,7 @@ inside it); with too few for one per process everything runs on the CPU.
 """
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -162,12 +163,21 @@ def main():
         parser.error(f"give --node-rank (0 .. {len(counts) - 1}) and --master-port, or --simulate-nodes")
     os.environ["MASTER_ADDR"] = args.master_addr  # DDP: where rank 0 listens; every process of every machine
     os.environ["MASTER_PORT"] = str(args.master_port)
+    first = rank_of(counts, args.node_rank, 0)
+    plan = f"{len(counts)} machine(s) of {'+'.join(map(str, counts))} process(es) = {sum(counts)}"
+    course.say(f"plan: {plan}; this is machine {args.node_rank}, ranks {first}..{first + counts[args.node_rank] - 1}")
     try:
         course.choose_device(args.device, args.backend, procs_per_node=counts[args.node_rank])
         mp.spawn(worker, args=(counts, args), nprocs=counts[args.node_rank], join=True)  # this machine's share
     except course.UsageError as err:
         parser.error(str(err))
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+        joined = re.search(r"(\d+)/(\d+) clients joined", str(err))
+        if joined or "DistStoreError" in str(err):  # the other machines never came: often not the plan meant
+            who = f"only {joined.group(1)} of {joined.group(2)}" if joined else f"not all {sum(counts)}"
+            sys.exit(f"spawn_per_node: error: {who} processes joined within --timeout {args.timeout:g} s. The plan "
+                     f"was {plan}; start every machine's command, or give each machine's real count with "
+                     f"--nproc-per-node (two machines of 8: --nproc-per-node 8)")
         sys.exit(f"spawn_per_node: a worker failed, all stopped here.\n{course.worker_error(err)}")
 
 

@@ -120,8 +120,10 @@ def main():
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error(f"start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 {__file__}")
-    rank, world_size, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # without LOCAL_RANK (by hand, or the old launcher): its --local-rank, or on one machine local rank = rank
+    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank if args.local_rank >= 0 else rank))
+    procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     device, backend = course.check_args(parser, args, rank=rank, world_size=world_size, local_rank=local_rank,
                                         procs_per_node=procs_per_node)
     course.print0(rank, course.runtime_report(device, backend, procs_per_node))

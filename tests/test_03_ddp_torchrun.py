@@ -122,6 +122,17 @@ def test_old_underscore_spelling_parses_without_launcher(data_dir):
     assert res.final["world_size"] == 1
 
 
+@pytest.mark.slow
+def test_the_references_exported_variables_start_two_processes_by_hand(data_dir):
+    """The reference's way: export MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK, then `python train.py` once per
+    rank. No LOCAL_RANK: on one machine the script takes local rank = rank."""
+    port = common.free_port()
+    script = f"{PYTHON} 03_ddp_torchrun/mnist_torchrun.py {STANDIN.format(data_dir)} --epochs 1 --max-steps 3"
+    res = run(["bash", "-c", f"unset LOCAL_RANK LOCAL_WORLD_SIZE; export MASTER_ADDR=127.0.0.1 MASTER_PORT={port} "
+               f"WORLD_SIZE=2 OMP_NUM_THREADS=1; RANK=1 {script} & RANK=0 {script}; wait"], timeout=120)
+    assert res.final["world_size"] == 2 and res.final["test_samples"] == 4000, res.tail()
+
+
 def test_running_without_torchrun_names_the_missing_variable():
     """By hand, the script answers with Python's own words: torchrun's variables are missing."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -227,3 +227,17 @@ def test_one_command_per_machine_with_machines_of_2_and_1_processes():
                        out, re.M)
     assert result and result[1] == "3" and result[2] == "2" and result[5] == "True", out
     assert abs(float(result[3]) - 2) < 0.1 and abs(float(result[4]) - 1) < 0.1  # DDP learned y = 2x + 1
+
+
+@pytest.mark.slow
+def test_the_cheat_sheets_world_size_16_says_its_plan_and_names_nproc_per_node_when_the_others_never_come():
+    """`demo.py --world_size=16 --node_rank=0 --master_addr --master_port` meant two machines of 8; spawn_per_node
+    plans 8 of 2 (its default of 2 per machine), says so at once, and when the others never come says what to give."""
+    port = common.free_port()
+    res = run([PYTHON, REPO / "04_multinode_tcp/spawn_per_node.py", "--world_size=4", "--node_rank=0",
+               "--master_addr=127.0.0.1", f"--master_port={port}", "--timeout", "5", "--device", "cpu"],
+              expect_rc=1, timeout=90)
+    assert "plan: 2 machine(s) of 2+2 process(es) = 4; this is machine 0, ranks 0..1" in res.stdout
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("spawn_per_node: error: ") and "--nproc-per-node" in last, res.tail()
+    assert "processes joined within --timeout 5 s" in last

@@ -65,3 +65,6 @@ def test_the_notes_commands_run_or_name_the_course_way(data_dir):
             assert code == 2, (where, command, code, err[-500:])
             assert len(lines) == 1 and error in lines[0], (where, lines)
             assert re.match(r"\S+\.py: error: ", lines[0]), lines
+    by_place = dict(zip([c[0] for c in NOTES_COMMANDS], results, strict=True))
+    two_nodes = by_place["Kai Zhang's tutorial, TCP mode, step 4's way"]  # two machines: the plan is said
+    assert "--rank without --nproc-per-node" in two_nodes[1] and "add --nproc-per-node N" in two_nodes[1]

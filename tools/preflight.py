@@ -71,6 +71,9 @@ def place(parser, args, nproc: int, nnodes: int) -> tuple[int, int, int, int]:
     if args.node_rank and args.nproc_per_node is None:
         parser.error("give --node-rank with --nproc-per-node (processes on each machine) and --local-rank")
     per_node = args.nproc_per_node or args.world_size
+    if args.nproc_per_node is None and args.world_size > 1:  # Kai Zhang's two-node commands give --rank alone
+        print(f"NOTE: --rank without --nproc-per-node: all {args.world_size} processes are taken to run on this "
+              f"machine; on machines of N GPUs each, add --nproc-per-node N")
     if args.rank is None and args.local_rank is None:
         parser.error("give --rank, or --node-rank with --nproc-per-node and --local-rank")
     rank = args.rank if args.rank is not None else args.node_rank * per_node + args.local_rank
