@@ -67,7 +67,7 @@ $(VENV_STAMP): requirements.txt requirements-dev.txt requirements-dev.lock pypro
 	@touch $@
 	@echo "setup done: activate with 'source $(VENV)/bin/activate'"
 
-existing-python:
+existing-python: ## with PY=python3: which torch that interpreter holds (it replaces .venv for every target)
 	@$(PY) tools/check_torch.py
 
 setup: $(STAMP) ## create .venv and install the pinned dependencies (once; idempotent)

@@ -135,7 +135,8 @@ def test_benchmarks_refuse_bad_input(tmp_path):
 NOT_RUN_BY_GPU_CHECK = {"help", "setup", "data", "test", "test-fast", "notebooks", "diffs", "mutants", "lint", "clean",
                         "distclean", "check-nproc", "check-nnodes", "bench", "bench-quick", "gpu-check",
                         "bench-versions",  # CPU only: two versions of the course against each other
-                        "doctor"}  # a check-up of the user's own script, which names it
+                        "doctor",  # a check-up of the user's own script, which names it
+                        "existing-python"}  # the setup step of PY=python3
 
 
 def make_targets() -> set[str]:
