@@ -56,7 +56,7 @@ def train(args, device, rank=0, world_size=1):
         model.train()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", disable=None if rank == 0 else True)  # rank 0, a terminal
         for step, (images, labels) in enumerate(bar):
-            if step == args.max_steps > 0:
+            if args.max_steps and step == args.max_steps:  # --max-steps: a short epoch (smoke runs, CI)
                 break
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             loss = F.cross_entropy(model(images), labels)  # DP: split, run on every GPU, gathered
