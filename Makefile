@@ -303,7 +303,7 @@ notebooks: $(STAMP) ## write each .ipynb from its .py source (jupytext), execute
 diffs: $(STAMP) ## rewrite the step-to-step diffs of the MNIST chain in the section READMEs
 	$(PY) tools/chain_diffs.py --write
 
-mutants: $(STAMP) ## break mnist_spawn.py on purpose (sampler, set_epoch, DDP, all_reduce, buffers): tests must go red
+mutants: $(STAMP) ## break each chain script on purpose (sampler, set_epoch, DDP, all_reduce, buffers): a trace check must go red
 	$(PY) tools/mutants.py $(ARGS)
 
 lint: $(STAMP) ## ruff

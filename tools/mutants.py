@@ -1,7 +1,7 @@
 """Break the distributed part of each chain script on purpose; a trace check must turn red for every break.
 
-    python tools/mutants.py --data-dir DATA                    # every script, every mutation (about a minute)
-    python tools/mutants.py --data-dir DATA --only no-set-epoch --scripts 03_ddp_torchrun/mnist_torchrun.py
+    python tools/mutants.py                                    # every script, every mutation (about a minute)
+    python tools/mutants.py --only no-set-epoch --scripts 03_ddp_torchrun/mnist_torchrun.py
     make mutants
 
 For each script the unchanged copy runs first and must pass every check; then each mutation replaces one piece
@@ -167,16 +167,21 @@ def check_script(rel: str, data_dir: str, work: Path, only: list[str] | None = N
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Break each chain script's distributed part; the trace must tell.")
-    parser.add_argument("--data-dir", required=True, help="a folder with the MNIST stand-in (made if missing)")
+    parser.add_argument("--data-dir", help="a folder with the MNIST stand-in (made if missing); default: a small "
+                                           "stand-in of 2,400 + 400 images in a temporary folder, for speed")
     parser.add_argument("--scripts", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))
     parser.add_argument("--only", nargs="+", choices=list(MUTANTS), help="these mutations only")
     args = parser.parse_args(argv)
     import common
+    from tools import standins
 
-    common.prepare_data("mnist-standin", args.data_dir)
     tracer.install(tempfile.mkdtemp(prefix="course-trace-"))
     failed = 0
     with tempfile.TemporaryDirectory(prefix="course-mutants-") as work:
+        if args.data_dir is None:  # the breaks show on any data: a small stand-in keeps each run about a second
+            args.data_dir = str(Path(work) / "data")
+            standins.write_mnist_standin(Path(args.data_dir) / "standin", sizes=(2400, 400))
+        common.prepare_data("mnist-standin", args.data_dir)
         for rel in args.scripts:
             for row in check_script(rel, args.data_dir, Path(work) / Path(rel).stem, args.only):
                 what = ("passes every check" if row["expected"] is None else
