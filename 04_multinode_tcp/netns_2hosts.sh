@@ -49,9 +49,11 @@ for i in 0 1; do
     # its address from the host name, which here resolves to 127.0.0.1: each host would send the other to
     # its own loopback
     ifname=(); [[ -z ${BREAK:-} ]] && ifname=(GLOO_SOCKET_IFNAME="${dev[$i]}" NCCL_SOCKET_IFNAME="${dev[$i]}")
+    # both "hosts" share this machine's host name and boot id: NCCL would take them for one host without this
+    hostid=(NCCL_HOSTID="ddp-host-$i")
     gpus=${host_gpus[$i]}; cuda=(); device=()
     if [[ $gpus == cpu ]]; then device=(--device cpu); elif [[ -n $gpus ]]; then cuda=(CUDA_VISIBLE_DEVICES="$gpus"); fi
-    cmd=(env "${ifname[@]}" "${cuda[@]}" OMP_NUM_THREADS=1 "$py" 04_multinode_tcp/mnist_tcp.py
+    cmd=(env "${ifname[@]}" "${hostid[@]}" "${cuda[@]}" OMP_NUM_THREADS=1 "$py" 04_multinode_tcp/mnist_tcp.py
          --init-method "tcp://${addr[0]}:29500" --world-size "$world" --nproc-per-node "$nproc"
          --node-rank "$i" --local-rank "$local" "${device[@]}" "$@")
     echo "host $i: ${cmd[*]}"
