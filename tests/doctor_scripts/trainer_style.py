@@ -54,6 +54,11 @@ def main():
     parser.add_argument("--snapshot", default="snapshot.pt")
     args = parser.parse_args()
     dist.init_process_group("gloo")
+    train(args)  # the Trainer and its DDP model are gone when train() returns
+    dist.destroy_process_group()
+
+
+def train(args):
     torch.manual_seed(0)
     data = Points()
     sampler = None if args.bug == "no-sampler" else DistributedSampler(data)
@@ -62,7 +67,6 @@ def main():
     trainer = Trainer(model, loader, torch.optim.SGD(model.parameters(), lr=0.1), int(os.environ["RANK"]), args.bug,
                       args.snapshot)
     trainer.train(args.epochs)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
