@@ -91,7 +91,8 @@ def _last_digest(events, when="eval"):
 def check_ddp(ranks) -> Check:
     name = "ddp"
     bare = sorted(r for r, ev in ranks.items() if not any(e["ev"] == "ddp" for e in ev))
-    digests = {r: _last_digest(ev) or _last_digest(ev, "destroy") for r, ev in ranks.items()}
+    digests = {r: next((d for when in ("eval", "destroy", "freed") if (d := _last_digest(ev, when)) and d["params"]),
+                       None) for r, ev in ranks.items()}
     params = {r: d["params"] for r, d in digests.items() if d and d["params"]}
     if bare:
         return Check(name, "wrong", f"rank(s) {bare} train a model that is not wrapped in DDP: no gradient is "

@@ -10,8 +10,9 @@ to DIR/trace-PID.jsonl:
               settings, and every index it will hand out in that pass
     set_epoch DistributedSampler.set_epoch(epoch)
     ddp       a DistributedDataParallel wrap
-    digest    when an evaluation starts, and at destroy_process_group: a CRC-32 of the parameters of every
-              optimizer (the trained weights, wrapped in DDP or not) and of the buffers of every DDP module
+    digest    when an evaluation starts, at destroy_process_group, and when an optimizer is freed: a CRC-32 of
+              the parameters of every optimizer (the trained weights, wrapped in DDP or not) and of the buffers
+              of every DDP module
     coll      a collective called from Python (all_reduce, reduce, broadcast, all_gather, ...)
     save      torch.save: the file name
     destroy   destroy_process_group
@@ -44,7 +45,10 @@ def _rank():
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+        _state["rank"] = dist.get_rank()  # remembered for events after destroy_process_group
+        return _state["rank"]
+    if _state.get("rank") is not None:
+        return _state["rank"]
     return int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
 
 
@@ -160,6 +164,16 @@ def install(trace_dir: str) -> None:
     DataLoader._index_sampler = property(lambda self: _Watched(index_sampler.fget(self), self))
     _wrap(DistributedSampler, "set_epoch", before=lambda self, epoch: record("set_epoch", epoch=int(epoch)))
     _wrap(torch.optim.Optimizer, "__init__", after=lambda _, self, *a, **k: _optimizers.add(self))
+
+    def optimizer_freed(self):  # the trained weights, seen as the last reference to them goes (a train() returns)
+        try:
+            if _state.get("rank") is not None:
+                params = [p for group in self.param_groups for p in group["params"]]
+                record("digest", when="freed", params=_crc(params), buffers=None, optimizers=1, ddp_modules=0)
+        except Exception:  # noqa: BLE001 - at interpreter exit the modules it needs may be gone
+            pass
+
+    torch.optim.Optimizer.__del__ = optimizer_freed
 
     def ddp_made(_, self, *args, **kwargs):
         _ddps.add(self)
