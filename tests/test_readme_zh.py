@@ -1,36 +1,115 @@
 """README.zh-CN.md, the top README in Chinese for the readers of the source notes, cannot drift from README.md:
-both list the same make targets, the same commands and outputs (code blocks), and the same links."""
+both list the same make targets, the same commands and outputs (code blocks), the same links, and the same layout
+(the same folders and files in the same order, described in each README's own language)."""
 
 import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
+TARGET = re.compile(r"\bmake ([a-z][a-z0-9-]*)")
+# a folder or a file of the repository, as the layout block names them: `0N_*/`, `bench/results/`, `common.py`
+PATH = re.compile(r"(?<![A-Za-z0-9_*./-])[A-Za-z0-9_*.-]+(?:/[A-Za-z0-9_*.-]+)*(?:/|\.(?:py|ipynb))(?![A-Za-z0-9_/-])")
+
+
+def read(name: str) -> str:
+    return (REPO / name).read_text()
+
+
+def code(text: str) -> list[str]:
+    """The code blocks and the inline code: where a README tells the reader what to type. Prose such as
+    'make target' (the English README says it twice) is not a target."""
+    return [body for _, body in FENCE.findall(text)] + re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+
+
+def layout(body: str) -> list | None:
+    """The block's entries, if it is a layout block (every unindented line starts with a folder or file, then two
+    spaces and its description): for each entry, its name and, in order, the folders, files and make targets its
+    description names. The descriptions' words are left out: each README says them in its own language."""
+    entries = []
+    for line in body.splitlines():
+        if not line.strip():
+            continue
+        if line[0].isspace():
+            if not entries:
+                return None
+            entries[-1][1] += " " + line.strip()
+            continue
+        name, sep, description = line.partition("  ")
+        if not sep or not PATH.fullmatch(name):
+            return None
+        entries.append([name, description.strip()])
+    return [(name, re.findall(rf"make [a-z][a-z0-9-]*|{PATH.pattern}", description))
+            for name, description in entries] or None
+
 
 def facts(text: str) -> dict:
-    blocks = re.findall(r"```(\w*)\n(.*?)```", text, re.S)
+    blocks = FENCE.findall(text)
     commands = [[re.sub(r"\s+#.*$", "", line).rstrip() for line in body.splitlines()]
                 for kind, body in blocks if kind == "bash"]
-    return {"targets": sorted(set(re.findall(r"\bmake ([a-z][a-z0-9-]*)", text))),
+    others = [body for kind, body in blocks if kind != "bash"]
+    layouts = [layout(body) for body in others]
+    return {"targets": sorted({target for span in code(text) for target in TARGET.findall(span)}),
             "links": sorted(set(re.findall(r"\]\(([^)\s]+)\)", text)) - {"README.md", "README.zh-CN.md"}),
             "commands": commands,
-            "outputs": [body for kind, body in blocks if kind != "bash"]}
+            "layout": [entries for entries in layouts if entries],
+            "outputs": [body for body, entries in zip(others, layouts, strict=True) if not entries]}
 
 
 def test_both_readmes_list_the_same_targets_commands_and_links():
-    english, chinese = (facts((REPO / name).read_text()) for name in ("README.md", "README.zh-CN.md"))
+    """Also the same outputs, and the same layout as structure (CLAIMS.md names this test: keep its name)."""
+    english, chinese = facts(read("README.md")), facts(read("README.zh-CN.md"))
     for key in english:
         assert chinese[key] == english[key], f"README.zh-CN.md differs from README.md in its {key}"
 
 
 def test_the_readmes_point_to_each_other_and_the_chinese_one_has_the_glossary():
-    assert "[中文](README.zh-CN.md)" in (REPO / "README.md").read_text()  # at the top, with a word on what it is
-    chinese = (REPO / "README.zh-CN.md").read_text()
+    assert "[中文](README.zh-CN.md)" in read("README.md")  # at the top, with a word on what it is
+    chinese = read("README.zh-CN.md")
     assert "[English](README.md)" in chinese
-    for term in ("节点", "进程", "rank", "local_rank", "world_size", "主节点", "后端", "进程组"):
+    for term in ("节点", "进程", "rank", "local_rank", "world_size", "主节点", "后端", "进程组",
+                 "rendezvous", "store", "模型并行", "device_ids", "output_device", "ENV 模式", "TCP 模式",
+                 "torchelastic"):
         assert term in chinese, term
 
 
+def test_the_layout_is_compared_as_structure_not_text():
+    english, chinese = facts(read("README.md")), facts(read("README.zh-CN.md"))
+    (entries,) = english["layout"]  # one layout block, found in each README, and no longer an output
+    assert [name for name, _ in entries][:3] == ["common.py", "workarounds.py", "0N_*/"]
+    assert ("bench/", ["make bench", "gpu_check.py", "make gpu-check", "stress.py", "benchlib.py",
+                       "bench/results/"]) in entries
+    (block,) = [body for _, body in FENCE.findall(read("README.zh-CN.md")) if layout(body)]
+    assert "训练脚本" in block and block not in read("README.md")  # the descriptions are in Chinese
+    assert chinese["layout"] == english["layout"]
+
+
 def test_the_check_sees_a_drift():
-    text = (REPO / "README.md").read_text()
-    assert facts(text) != facts(text.replace("make test", "make test-fast", 1))
+    """Every way the Chinese README can lose something the English one has makes the facts differ."""
+    english = facts(read("README.md"))
+    chinese = read("README.zh-CN.md")
+    assert facts(chinese) == english
+
+    def drifts(key: str, changed: str) -> None:
+        assert changed != chinese, key
+        assert facts(changed)[key] != english[key], key
+
+    for target in english["targets"]:  # a target no longer mentioned anywhere
+        drifts("targets", re.sub(rf"\bmake {target}(?![a-z0-9-])", "", chinese))
+    for link in english["links"]:  # a link turned into plain text
+        drifts("links", re.sub(rf"\[([^\]]*)\]\({re.escape(link)}\)", r"\1", chinese))
+    for kind, body in FENCE.findall(chinese):  # a command dropped from a bash block
+        if kind == "bash":
+            for line in body.splitlines():
+                drifts("commands", chinese.replace(body, body.replace(line + "\n", "", 1), 1))
+    (block,) = [body for _, body in FENCE.findall(chinese) if layout(body)]
+    lines = block.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if not line[0].isspace():  # a layout entry dropped, with its continuation lines
+            end = next((j for j in range(i + 1, len(lines)) if not lines[j][0].isspace()), len(lines))
+            drifts("layout", chinese.replace(block, "".join(lines[:i] + lines[end:]), 1))
+    for name in ("nbhelpers.py", "bench/results/", "make mutants"):  # a name dropped from a description
+        drifts("layout", chinese.replace(block, block.replace(name, "", 1), 1))
+    drifts("layout", chinese.replace(block, block.replace("tests/  ", "test/   ", 1), 1))  # a name changed
+    drifts("outputs", chinese.replace("test_acc=0.9798", "test_acc=0.98", 1))  # an output edited
