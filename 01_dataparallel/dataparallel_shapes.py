@@ -90,7 +90,7 @@ def main():
     why = "no CUDA GPU is visible" if not visible else f"only {visible} GPU(s) are visible"
     print(f"{why}, so nothing can be split here. nn.DataParallel would cut each batch into {n} "
           f"piece(s) along dim 0, like torch.chunk, one per GPU:", flush=True)
-    model = nn.DataParallel(model) if not visible else model  # without CUDA: calls the model as is
+    model = model if torch.cuda.is_available() else nn.DataParallel(model)  # without CUDA it calls the model as is
     for batch in loader:
         sizes = [len(piece) for piece in batch.chunk(n)]
         for gpu, size in enumerate(sizes):

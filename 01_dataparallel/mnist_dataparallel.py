@@ -1,8 +1,8 @@
 """A side branch of step 1: the same training, one process driving several GPUs with nn.DataParallel.
 
 Every forward pass copies the model to each GPU, splits the batch along dimension 0, runs the pieces
-in threads and gathers the outputs on one GPU. Without a GPU, nn.DataParallel simply calls the model:
-the script runs, nothing is split.
+in threads and gathers the outputs on one GPU. Without a usable GPU the script trains the plain model:
+it runs, nothing is split.
 
     python 01_dataparallel/mnist_dataparallel.py                    # all visible GPUs, or the CPU
     python 01_dataparallel/mnist_dataparallel.py --gpus 0,1 --output-device 1
@@ -35,8 +35,9 @@ def train(args, device, rank=0, world_size=1):
 
     gpus = args.gpus or list(range(common.usable_gpus()))  # DP: the GPUs to split over, all visible by default
     device = torch.device("cuda", gpus[0]) if gpus else device  # DP: the model must live on the first of them
-    model = common.ConvNet().to(device)
-    model = nn.DataParallel(model, device_ids=gpus or None, output_device=args.output_device)  # DP: one process
+    net = common.ConvNet().to(device)
+    # DP: one process; without a usable GPU there is nothing to split, and the plain model runs
+    model = nn.DataParallel(net, device_ids=gpus, output_device=args.output_device) if gpus else net
     if gpus:
         print(f"nn.DataParallel over GPUs {gpus}: each batch of {args.batch_size} is split {len(gpus)} ways")
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -44,7 +45,7 @@ def train(args, device, rank=0, world_size=1):
     start_epoch = 0
     if path and os.path.exists(path):  # continue a run
         state = torch.load(path, map_location=device, weights_only=True)
-        model.module.load_state_dict(state["model"])
+        net.load_state_dict(state["model"])  # net is model.module: keys without the "module." prefix
         optimizer.load_state_dict(state["optimizer"])
         start_epoch = state["epoch"]
         if rank == 0:
@@ -72,7 +73,7 @@ def train(args, device, rank=0, world_size=1):
             print(f"epoch {epoch + 1}/{args.epochs}: train_loss={loss.item():.4f} test_loss={loss_sum / samples:.4f} "
                   f"test_acc={correct / samples:.4f}")
         if rank == 0 and path:
-            state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
+            state = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
             os.makedirs(args.checkpoint_dir, exist_ok=True)
             torch.save(state, path + ".tmp")
             os.replace(path + ".tmp", path)  # a crash while saving leaves the last good checkpoint
@@ -90,7 +91,7 @@ def main():
     device, _ = common.device_and_backend(args.device)
     args.dataset = common.prepare_data(args.dataset, args.data_dir)  # download or write the data, once
     print(f"1 process on {device.type}" + ("" if device.type == "cuda" else
-          ": without a GPU, nn.DataParallel calls the model directly (nothing is split or copied)"))
+          ": without a usable GPU nothing is split, and the plain model trains"))
     train(args, device)
 
 

@@ -3,7 +3,7 @@
 One process, data already on the device ........ plain: the bare forward/backward/step loop
 One process, the course's data path ............. course: load_dataset + a DataLoader, as mnist_single.py
 One process, torchvision's per-image path ....... torchvision: MNIST + ToTensor + DataLoader, as the seeds
-nn.DataParallel ................................. dataparallel (on a CPU or a single GPU it only calls the model)
+nn.DataParallel on this one device .............. dataparallel (on a CPU or a single GPU it only calls the model)
 DDP at world size 1 ............................. ddp_ws1: the cost of the wrapper and its all_reduce alone
 DDP at world size 1 on 1/N of the CPU ........... ddp_ws1_perN: one worker's share of the machine, for scaling
 DDP with N processes via mp.spawn / torchrun .... spawn_wsN, torchrun_wsN (N = 2, and more where the machine has
@@ -181,6 +181,14 @@ def plan_world_sizes(device, cores: int, requested: list[int] | None) -> tuple[l
     return sizes, ""
 
 
+def dataparallel_on(device):
+    """nn.DataParallel over this one device, like the other single-process rows (not over every visible GPU).
+    On the CPU of a machine whose GPUs are unusable it would take those GPUs, so the plain model stands in."""
+    if device.type == "cuda":
+        return nn.DataParallel(new_model(device), device_ids=[device.index])
+    return new_model(device) if torch.cuda.is_available() else nn.DataParallel(new_model(device))
+
+
 def build_variants(cfg: dict, device, world_sizes: list[int], tmp: str) -> dict:
     """name -> (label, function returning {'images_per_s': ..., maybe 'startup_s': ...})."""
     cores = cfg["cores"]
@@ -205,7 +213,7 @@ def build_variants(cfg: dict, device, world_sizes: list[int], tmp: str) -> dict:
         "plain": ("plain loop, data on device", single(lambda: new_model(device), resident)),
         "course": ("course data path", single(lambda: new_model(device), lambda: endless(course_path))),
         "torchvision": ("torchvision per-image loader", single(lambda: new_model(device), lambda: endless(tv))),
-        "dataparallel": ("nn.DataParallel", single(lambda: nn.DataParallel(new_model(device)), resident)),
+        "dataparallel": ("nn.DataParallel, one device", single(lambda: dataparallel_on(device), resident)),
         "ddp_ws1": ("DDP, world size 1", single(ddp1, resident)),
     }
     for n in world_sizes:

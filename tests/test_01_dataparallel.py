@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import common
-from harness import PYTHON, make, python, run
+from harness import PYTHON, REPO, make, python, run
 from tools import course
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the CPU path on any machine, GPUs or not
@@ -59,11 +59,34 @@ def test_make_dataparallel_trains_and_saves_a_plain_state_dict(data_dir, tmp_pat
     assert res.final["test_samples"] == 4000 and res.final["world_size"] == 1
     assert res.final["test_acc"] > 0.5
     gpus = course.gpu_count()
-    assert f"split {gpus} ways" in res.stdout if gpus > 1 else "calls the model directly" in res.stdout
-    if not gpus:
-        assert "calls the model directly" in res.stdout
+    assert f"split {gpus} ways" in res.stdout if gpus > 1 else "nothing is split" in res.stdout
     state = torch.load(tmp_path / "mnist_dataparallel.pt", weights_only=True)
     common.ConvNet().load_state_dict(state["model"])  # no "module." prefix
+
+
+def test_gpus_too_old_for_the_build_leave_dataparallel_out_of_the_cpu_run(monkeypatch, data_dir, capsys):
+    """A V100 under a build for 7.5 and newer: CUDA is there but unusable. nn.DataParallel would take every
+    visible GPU and fail, so the script and the throughput benchmark run the plain model on the CPU."""
+    import importlib.util
+    import sys
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(common, "too_old_gpus", lambda: ["Tesla V100-SXM2-16GB"])
+    spec = importlib.util.spec_from_file_location("mnist_dataparallel", REPO / "01_dataparallel/mnist_dataparallel.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", ["mnist_dataparallel.py", "--dataset", "mnist-standin", "--data-dir",
+                                      str(data_dir), "--epochs", "1", "--max-steps", "3"])
+    script.main()
+    out = capsys.readouterr().out
+    assert "Tesla V100-SXM2-16GB" in out and "final: " in out and "nothing is split" in out
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import throughput
+
+    model = throughput.dataparallel_on(torch.device("cpu"))
+    assert not isinstance(model, nn.DataParallel)
+    model(torch.randn(2, 1, 28, 28))
 
 
 def test_dataparallel_refuses_gpus_that_are_not_there():
