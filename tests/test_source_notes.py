@@ -1,15 +1,26 @@
 """The source notes' own command lines, with the course's scripts: each one runs, or fails in one line that names
 the course's way. Runs are checks only (make's preflight, or COURSE_CHECK_ONLY=1 for the other scripts: the
 flags are parsed and checked, the data prepared, then the script stops), all in one interpreter, so that every
-command costs well under a second."""
+command costs well under a second.
 
+Also the notes' hyperparameters next to the course's: the numbers that the section READMEs' "Differences from the
+source notes" rows give for the course are the scripts' defaults and the constants in their code (read without
+training, from the parser each script builds)."""
+
+import argparse
+import inspect
 import re
+import runpy
 import shlex
+from functools import cache
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
-from harness import exits
+import common
+from harness import REPO, exits
+from tools import course
 
 # what torchrun (or the deprecated launcher) gives every worker; rank 0 speaks for the job
 LAUNCHED = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
@@ -68,3 +79,107 @@ def test_the_notes_commands_run_or_name_the_course_way(data_dir):
     by_place = dict(zip([c[0] for c in NOTES_COMMANDS], results, strict=True))
     two_nodes = by_place["Kai Zhang's tutorial, TCP mode, step 4's way"]  # two machines: the plan is said
     assert "--rank without --nproc-per-node" in two_nodes[1] and "add --nproc-per-node N" in two_nodes[1]
+
+
+# ------------------------------------------------------------------ the notes' hyperparameters and the course's
+
+MNIST_SCRIPTS = ("01_dataparallel/mnist_single.py", "01_dataparallel/mnist_dataparallel.py",
+                 "02_ddp_spawn/mnist_spawn.py", "03_ddp_torchrun/mnist_torchrun.py", "04_multinode_tcp/mnist_tcp.py",
+                 "06_amp_syncbn/mnist_amp_syncbn.py")
+CIFAR_SCRIPTS = ("06_amp_syncbn/cifar_resnet.py",)
+HYPERPARAMETER_ROWS = {  # id: (README, how its row begins, the scripts the row's last cell is about, what it states)
+    "01-kai-batch": ("01_dataparallel/README.md", "Kai Zhang's tutorial: batch size 4", MNIST_SCRIPTS,
+                     {"--batch-size", "--epochs", "test batch"}),
+    "01-kai-sgd": ("01_dataparallel/README.md", "Kai Zhang's tutorial: plain SGD", MNIST_SCRIPTS, {"--lr", "momentum"}),
+    "01-kai-inputs": ("01_dataparallel/README.md", "Kai Zhang's tutorial: `transforms.ToTensor()` alone", MNIST_SCRIPTS,
+                      {"mean", "std"}),
+    "06-blog-batch": ("06_amp_syncbn/README.md", "The blog's `resnet_ddp.py`: batch 256", CIFAR_SCRIPTS,
+                      {"--batch-size", "--epochs", "--eval-every", "test batch"}),
+    "06-blog-sgd": ("06_amp_syncbn/README.md", "The blog: SGD with learning rate 0.1", CIFAR_SCRIPTS,
+                    {"--lr", "momentum", "weight decay"}),
+    "06-blog-workers": ("06_amp_syncbn/README.md", "The blog: 8 DataLoader workers", CIFAR_SCRIPTS, {"workers"}),
+    "06-blog-test-set": ("06_amp_syncbn/README.md", "The blog passes the test set through", CIFAR_SCRIPTS,
+                         {"augmented", "std"}),
+}
+
+
+def course_cell(readme: str, begins: str) -> str:
+    """The last cell ("the course does, and why") of the one row of the README's differences table that begins so."""
+    table = (REPO / readme).read_text().partition("## Differences from the source notes")[2]
+    found = [line for line in table.splitlines() if line.startswith(f"| {begins}")]
+    assert len(found) == 1, f"{readme}: {len(found)} rows of the differences table begin with {begins!r}"
+    return re.split(r"(?<!\\)\|", found[0].strip().strip("|"))[-1].strip()
+
+
+def stated(cell: str) -> dict:
+    """The course's numbers, as the cell writes them: `--flag` N, momentum N, weight decay N, test batches of N,
+    mean N and std N (or std (R, G, B)), "No workers", "only the training batches" (augmented)."""
+    found = {flag: float(value) for flag, value in re.findall(r"`(--[a-z-]+)` (\d[\d.e-]*)", cell)}
+    for key, pattern in (("momentum", r"momentum (\d[\d.e-]*)"), ("weight decay", r"weight decay (\d[\d.e-]*)"),
+                         ("test batch", r"test batches of (\d+)"), ("mean", r"mean (\d[\d.]*) and std"),
+                         ("std", r"std (\d[\d.]*)")):
+        if match := re.search(pattern, cell):
+            found[key] = float(match[1].rstrip("."))
+    if match := re.search(r"std \(([\d., ]+)\)", cell):
+        found["std"] = tuple(float(x) for x in match[1].split(","))
+    if cell.startswith("No workers"):
+        found["workers"] = 0
+    if "only the training batches" in cell:
+        found["augmented"] = "training batches only"
+    return found
+
+
+class _Parsed(BaseException):  # not an Exception: torchrun's @record lets it through untouched
+    """Raised where a script's main() would parse its command line; carries the parser."""
+
+
+@cache
+def parser_of(script: str) -> argparse.ArgumentParser:
+    """The parser a script's main() builds, caught before it parses anything: no data, no process group."""
+    namespace = runpy.run_path(str(REPO / script), run_name="course_script")  # defines main() without calling it
+    main = getattr(namespace["main"], "__wrapped__", namespace["main"])  # the function under @record
+
+    def caught(parser, *args, **kwargs):
+        raise _Parsed(parser)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", caught):
+        try:
+            main()
+        except _Parsed as parsed:
+            return parsed.args[0]
+    raise AssertionError(f"{script}: main() returned without parsing its command line")
+
+
+def in_code(script: str) -> dict:
+    """What the script's code fixes, outside its flags: the same keys as stated()."""
+    source = (REPO / script).read_text()
+    mnist = Path(script).name.startswith("mnist")
+
+    def only(values: list[str]):
+        return float(values[0]) if len(set(values)) == 1 else sorted(set(values))
+
+    test_loader = re.search(r"test_loader = .*?(?:batch_size=|batch_loader\(test_set, )(\d+)", source)
+    augmented = re.findall(r"(?<!def )augment_cifar\((\w+)", source)
+    trains_on = re.search(r"\(images, labels\) in enumerate\(course\.progress\(train_loader", source)
+    return {
+        "momentum": only(re.findall(r"momentum=([\d.e-]+)", source)),
+        "weight decay": only(re.findall(r"weight_decay=([\d.e-]+)", source)),
+        "test batch": float(test_loader[1]) if test_loader else None,
+        "mean": common.MNIST_MEAN if mnist else common.CIFAR_MEAN,
+        "std": common.MNIST_STD if mnist else common.CIFAR_STD,
+        "workers": 0 if "num_workers" not in source + inspect.getsource(course.batch_loader) else "num_workers set",
+        "augmented": "training batches only" if augmented == ["images"] and trains_on
+                     and "augment" not in inspect.getsource(common.evaluate) else augmented,
+    }
+
+
+@pytest.mark.parametrize("row", list(HYPERPARAMETER_ROWS))
+def test_hyperparameter_rows_give_the_scripts_own_numbers(row):
+    readme, begins, scripts, states = HYPERPARAMETER_ROWS[row]
+    said = stated(course_cell(readme, begins))
+    assert set(said) == states, f"{readme}, {begins!r}: the row states {sorted(said)}, not {sorted(states)}"
+    for script in scripts:
+        parser, code = parser_of(script), in_code(script)
+        for key, value in said.items():
+            real = parser.get_default(key[2:].replace("-", "_")) if key.startswith("--") else code[key]
+            assert real == value, f"{readme}, {begins!r}: the row says {key} {value}, {script} has {real}"
