@@ -36,8 +36,8 @@ def train(args, device, rank=0, world_size=1):
     gpus = args.gpus or list(range(common.usable_gpus()))  # DP: the GPUs to split over, all visible by default
     device = torch.device("cuda", gpus[0]) if gpus else device  # DP: the model must live on the first of them
     net = common.ConvNet().to(device)
-    # DP: one process; without a usable GPU there is nothing to split, and the plain model runs
-    model = nn.DataParallel(net, device_ids=gpus, output_device=args.output_device) if gpus else net
+    # without a usable GPU there is nothing to split, and the plain model trains
+    model = nn.DataParallel(net, device_ids=gpus, output_device=args.output_device) if gpus else net  # DP: wrap
     if gpus:
         print(f"nn.DataParallel over GPUs {gpus}: each batch of {args.batch_size} is split {len(gpus)} ways")
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

@@ -26,7 +26,7 @@
 #
 # `dataparallel_shapes.py` feeds 100 random samples in batches of 30 to a model that prints the shape it receives.
 # On two GPUs each batch of 30 becomes two pieces of 15, and the last batch of 10 two pieces of 5. With fewer than
-# two GPUs the script prints the split it *would* make (`torch.chunk`), and DataParallel just calls the model.
+# two GPUs the script prints the split it *would* make (`torch.chunk`), and the model runs on the whole batch.
 
 # %% tags=["nbval-ignore-output"]
 from nbhelpers import final, records, run, show
@@ -39,7 +39,8 @@ assert "Outside: input size [10, 5] output size [10, 2]" in out
 # ## What DataParallel changes in the baseline
 #
 # The lines marked `# DP:` are the whole change: wrap the model, put the labels where the outputs are gathered,
-# and save the inner module's weights (`model.module`), whose keys carry no `module.` prefix.
+# and save the inner module's weights (`net`, which the wrapper holds as `model.module`), whose keys carry no
+# `module.` prefix. Without a usable GPU there is nothing to split, and the plain `net` trains.
 
 # %%
 show("01_dataparallel/mnist_dataparallel.py", marked="DP:")
@@ -47,8 +48,8 @@ show("01_dataparallel/mnist_dataparallel.py", marked="DP:")
 # %% [markdown]
 # ## Training with DataParallel
 #
-# The same short run twice: the baseline and the DataParallel version. Without a GPU, DataParallel calls the model
-# directly, so the two print exactly the same losses.
+# The same short run twice: the baseline and the DataParallel version. Without a GPU, the DataParallel version
+# trains the plain model, so the two print exactly the same losses.
 
 # %% tags=["nbval-ignore-output"]
 from tools import course
