@@ -175,6 +175,8 @@ def main(argv=None) -> int:
     import common
     from tools import standins
 
+    import torch._dynamo  # noqa: F401 - a DDP wrap imports it (about a second): once here, not in every forked rank
+
     tracer.install(tempfile.mkdtemp(prefix="course-trace-"))
     failed = 0
     with tempfile.TemporaryDirectory(prefix="course-mutants-") as work:
