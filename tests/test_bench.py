@@ -35,6 +35,15 @@ def test_rotated_order_starts_each_round_with_the_next_variant():
     assert all(sorted(o) == items for o in orders)  # every variant once per round
 
 
+def test_every_recorded_number_was_measured_without_a_gpu():
+    """The READMEs say no GPU run is recorded yet: every record in bench/results says so of its machine."""
+    records = sorted((REPO / "bench" / "results").glob("*.json"))
+    assert len(records) >= 8
+    for path in records:
+        machine = json.loads(path.read_text())["machine"]
+        assert machine["gpus"] == 0 and not path.name.startswith("gpu_check"), path.name
+
+
 def test_results_with_nan_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"result\.rows\[1\]\.x is nan"):
         benchlib.write_results(tmp_path, "broken", {"rows": [{"x": 1.0}, {"x": float("nan")}]}, ["x"])

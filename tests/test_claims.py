@@ -14,8 +14,10 @@ The table's grammar (one row per claim):
     `bench/results/FILE.json#KEY/KEY/KEY = VALUE`            a recorded number (a KEY of digits indexes a list);
                                                                VALUE is the number as the prose
                                                                writes it (its digits set the rounding; a trailing %
-                                                               means the record is a fraction); VALUE must appear in
-                                                               the first stated-in file
+                                                               means the record is a fraction); VALUE must stand as
+                                                               a whole number in a sentence (or a table row) of the
+                                                               first stated-in file and of every other README the row
+                                                               names, sharing two content words with the claim
     `https://...`                                             a documentation page
     `sample: COMMAND`                                         the command whose output the sample shows
 """
@@ -106,7 +108,7 @@ def problems(row: dict) -> list[str]:
         elif proof.startswith("notebooks/"):
             bad += notebook_problems(proof, row["runs_on"])
         elif proof.startswith("bench/results/"):
-            bad += record_problems(proof, stated)
+            bad += record_problems(proof, stated, row["claim"])
         elif proof.startswith("sample: "):
             if row["kind"] != "sample":
                 bad.append(f"{proof}: a sample proves only a sample row")
@@ -133,13 +135,13 @@ def notebook_problems(proof: str, runs_on: str) -> list[str]:
     return []
 
 
-def record_problems(proof: str, stated: list[str]) -> list[str]:
+def record_problems(proof: str, stated: list[str], claim: str = "") -> list[str]:
     path, _, written = (part.strip() for part in proof.partition("="))
     if not (REPO / path.split("#")[0]).is_file():
         return [f"{proof}: no such record"]
     try:
         value = json_value(path)
-    except (KeyError, IndexError, TypeError):
+    except (KeyError, IndexError, TypeError, ValueError):
         return [f"{proof}: no such key in the record"]
     if not written:
         return []
@@ -150,10 +152,47 @@ def record_problems(proof: str, stated: list[str]) -> list[str]:
     digits = len(number.split(".")[1]) if "." in number else 0
     recorded = round(value * (100 if percent else 1), digits)
     bad = [] if recorded == float(number) else [f"{proof}: the record says {value} ({recorded} at this rounding)"]
-    first = (REPO / stated[0].split(" ")[0]).read_text() if stated else ""
-    if written.rstrip("%").strip() not in first:
-        bad.append(f"{proof}: {written!r} does not appear in {stated[0]}")
+    for file in stated[:1] + [f for f in stated[1:] if f.endswith(".md")]:  # each README that repeats it
+        text = (REPO / file.split(" ")[0]).read_text()
+        if not stated_in_place(written.rstrip("%").strip(), text, claim):
+            bad.append(f"{proof}: {written!r} is not stated in a sentence of {file} about this claim")
     return bad
+
+
+STOP = set("that this with from when what where which their there them then than they each every into only "
+           "have does more most also same some other about after before while over under both were will".split())
+
+
+def words(text: str) -> set[str]:
+    """The content words of a text: four letters or more, lower case, without the commonest ones."""
+    return {w for w in re.findall(r"[a-z][a-z0-9_-]{3,}", text.lower()) if w not in STOP}
+
+
+def stated_in_place(number: str, text: str, claim: str) -> bool:
+    """Whether `number` stands as a whole number (not inside 2026-11-22 or 10.5) in a sentence of `text` that
+    shares at least two content words with the claim (one, for a claim of fewer words)."""
+    want = words(claim)
+    need = min(2, len(want)) if want else 0
+    token = re.compile(r"(?<![\d.,])" + re.escape(number) + r"(?![\d]|[.,]\d)")
+    return any(token.search(unit) and len(words(unit) & want) >= need for unit in sentences(text))
+
+
+def sentences(text: str) -> list[str]:
+    """The units a number is read in: a prose sentence, or a table row with its header, the sentence above it
+    and the section's heading."""
+    units, caption, heading = [], "", ""
+    for block in re.split(r"\n\s*\n", text):
+        lines = block.strip().splitlines()
+        if lines and lines[0].startswith("#"):
+            heading = caption = lines[0]
+        elif lines and all(line.lstrip().startswith("|") for line in lines):
+            units += [f"{heading} {caption} {lines[0]} {line}" for line in lines[1:]]
+        else:
+            prose = re.split(r"(?<=[.;!?])\s+(?=[A-Z`(*-])", re.sub(r"\s+", " ", block))
+            units += prose
+            caption = prose[-1]  # the sentence that introduces a table below it
+    return units
+    return False
 
 
 def test_every_claim_has_a_proof_that_exists_and_numbers_that_match():
@@ -170,10 +209,13 @@ def test_readme_points_to_the_claims_table():
 
 
 TP = "bench/results/throughput_gloo_cpu2_2026-11-22.json"
+SP = f"`{TP}#ratios/speedup_ws2/median = 0.92`"
 SAMPLE = f"""
 | id | claim | stated in | kind | runs on | proof |
 |---|---|---|---|---|---|
-| good | the ratio is 0.92 | README.md | measurement | - | `{TP}#ratios/speedup_ws2/median = 0.92` |
+| good | 2 DDP processes train at 0.92 of one process's speed | README.md | measurement | - | {SP} |
+| elsewhere | the bucket count is 0.92 | README.md | measurement | - | {SP} |
+| second | 2 DDP processes train at 0.92 | README.md, 05_collectives/README.md | measurement | - | {SP} |
 | off | the ratio is 0.95 | README.md | measurement | - | `{TP}#ratios/speedup_ws2/median = 0.95` |
 | nokey | x | README.md | measurement | - | `{TP}#ratios/nothing = 1` |
 | notest | x | README.md | behaviour | CPU | `tests/test_common.py::test_that_does_not_exist` |
@@ -183,7 +225,9 @@ SAMPLE = f"""
 
 
 @pytest.mark.parametrize("row_id, expected", [
-    ("good", None), ("off", "the record says"), ("nokey", "no such key"), ("notest", "not collected"),
+    ("good", None), ("elsewhere", "is not stated in a sentence of README.md"),
+    ("second", "is not stated in a sentence of 05_collectives/README.md"), ("off", "the record says"),
+    ("nokey", "no such key"), ("notest", "not collected"),
     ("gpu", "marked for GPUs"), ("nolink", "not a test, notebook cell"),
 ])
 def test_the_checker_catches_each_kind_of_broken_row(row_id, expected):
@@ -193,3 +237,12 @@ def test_the_checker_catches_each_kind_of_broken_row(row_id, expected):
         assert found == []
     else:
         assert any(expected in p for p in found), found
+
+
+def test_a_number_counts_only_whole_and_in_a_sentence_about_its_claim():
+    text = "The run was recorded in 10.5 seconds on 2026-11-22.\n\nSomething else took 7 seconds."
+    assert stated_in_place("10.5", text, "the run was recorded in 10.5 seconds")
+    assert not stated_in_place("0", text, "the run was recorded in 0 seconds")  # only inside 10.5 and the date
+    assert not stated_in_place("7", text, "the run was recorded in 7 seconds")  # a sentence about something else
+    table = "Recorded runs:\n\n| run | seconds |\n|---|---:|\n| spawn | 12.5 |"
+    assert stated_in_place("12.5", table, "the spawn run took 12.5 seconds")  # a row, read with its header
