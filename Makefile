@@ -105,8 +105,10 @@ dp-shapes: $(STAMP) ## watch DataParallel split a batch (simulated for 2 GPUs on
 
 # ------------------------------------------------------------------ 02: DDP with mp.spawn
 
-ddp-basics: $(STAMP) check-nproc ## the toy DDP demos: basic, checkpoint, model parallel, bare mp.Process
-	@for demo in basic checkpoint model-parallel process; do \
+DEMOS ?= basic checkpoint model-parallel process
+
+ddp-basics: $(STAMP) check-nproc ## the toy DDP demos: basic, checkpoint, model parallel, bare mp.Process (DEMOS= some)
+	@for demo in $(DEMOS); do \
 	  echo "--- ddp_basics.py $$demo"; \
 	  $(PY) 02_ddp_spawn/ddp_basics.py $$demo --nproc $(NPROC) $(if $(BACKEND),--backend $(BACKEND)) $(ARGS) || exit $$?; \
 	done

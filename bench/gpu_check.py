@@ -82,9 +82,14 @@ def plan(gpus: int, is_root: bool = True, bench_out: str = "bench/results") -> l
         Step("dataparallel", make("dataparallel", EPOCHS=1),
              note=f"nn.DataParallel over {gpus} GPU(s)" + ("" if many else ": one GPU, nothing to split")),
         Step("dp-shapes", make("dp-shapes"), note="" if many else "one GPU: the split for 2 is shown, not run"),
-        Step("ddp-basics", make("ddp-basics", NPROC=gpus // 2 if gpus >= 4 else nproc, ARGS=share),
+        # model parallelism wants 2 GPUs per process: with fewer than 4 its halves run on the CPU, which
+        # --device cuda (the processes sharing one GPU) would refuse, so on 1 GPU it is a step of its own
+        Step("ddp-basics", make("ddp-basics", NPROC=gpus // 2 if gpus >= 4 else nproc, ARGS=share,
+                                DEMOS=None if many else "basic checkpoint process"),
              note="; ".join(n for n in (shared_note, "" if gpus >= 4 else
                                         "model parallel needs 4 GPUs: its halves run on the CPU") if n)),
+        *([] if many else [Step("ddp-basics model-parallel", make("ddp-basics", NPROC=2, DEMOS="model-parallel"),
+                                note="model parallel needs 4 GPUs: its halves run on the CPU")]),
         Step("ddp-equivalence", make("ddp-equivalence", NPROC=2), note="CPU by design (arithmetic)"),
         Step("ddp-spawn", make("ddp-spawn", NPROC=nproc, EPOCHS=1, ARGS=share), note=shared_note),
         Step("ddp-timeline", make("ddp-timeline", NPROC=nproc, ARGS=f"--output-dir {bench_out}/timeline_gpu "

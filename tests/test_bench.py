@@ -156,7 +156,7 @@ def make_targets() -> set[str]:
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2, 8])
-def test_gpu_check_plans_every_target_for_the_gpus_present(gpus):
+def test_gpu_check_plans_every_target_for_the_gpus_present(gpus, monkeypatch):
     from gpu_check import plan
 
     steps = plan(gpus, is_root=False)
@@ -182,6 +182,19 @@ def test_gpu_check_plans_every_target_for_the_gpus_present(gpus):
         assert var("bench-allreduce", "NPROC") == str(gpus) and not by_target["bench-allreduce"][0].skip
         assert var("multinode-tcp", "NPROC") == str(gpus // 2), "2 nodes x NPROC: one GPU per process"
     assert var("ddp-basics", "NPROC") == (str(gpus // 2) if gpus >= 4 else ("2" if gpus == 1 else str(gpus)))
+    # every ddp-basics step that runs the model-parallel demo asks for a placement this machine can give
+    monkeypatch.syspath_prepend(str(REPO / "02_ddp_spawn"))
+    import ddp_basics
+
+    ALL_DEMOS = "basic checkpoint model-parallel process"  # noqa: N806 - the Makefile's default DEMOS
+    demos = {tuple(dict(a.split("=", 1) for a in s.cmd[3:]).get("DEMOS", ALL_DEMOS).split()): s
+             for s in by_target["ddp-basics"]}
+    assert sorted(d for names in demos for d in names) == ["basic", "checkpoint", "model-parallel", "process"]
+    step = next(s for names, s in demos.items() if "model-parallel" in names)
+    found = dict(a.split("=", 1) for a in step.cmd[3:])
+    flags = dict(zip(*[iter((found.get("ARGS") or "").split())] * 2, strict=True))
+    monkeypatch.setattr(course, "gpu_count", lambda: gpus)
+    ddp_basics.model_parallel_placement(flags.get("--device", "auto"), flags.get("--backend"), int(found["NPROC"]))
     assert by_target["multinode-netns"][0].skip == "needs root allowed to create network namespaces"
     assert not plan(gpus, is_root=True)[[s.name for s in steps].index("multinode-netns")].skip
 

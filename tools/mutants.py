@@ -172,10 +172,10 @@ def main(argv=None) -> int:
     parser.add_argument("--scripts", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))
     parser.add_argument("--only", nargs="+", choices=list(MUTANTS), help="these mutations only")
     args = parser.parse_args(argv)
+    import torch._dynamo  # noqa: F401 - a DDP wrap imports it (about a second): once here, not in every forked rank
+
     import common
     from tools import standins
-
-    import torch._dynamo  # noqa: F401 - a DDP wrap imports it (about a second): once here, not in every forked rank
 
     tracer.install(tempfile.mkdtemp(prefix="course-trace-"))
     failed = 0
