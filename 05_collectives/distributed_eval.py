@@ -88,9 +88,11 @@ def main():
             course.say(f"  single process:            counted {int(single[1])} images, "
                        f"accuracy {single[0] / single[1]:.4f}")
             course.say("  after dist.reduce(dst=0), what each rank holds as its 'count':")
-            for r, (own, held) in enumerate(rows):
-                note = "the total" if r == 0 else "not the total: only dst gets the result"
-                course.say(f"    rank {r}: own shard {int(own)}, holds {held:g} ({note})")
+            total = sum(own for own, _ in rows)
+            for r, (own, held) in enumerate(rows):  # what the value is, as seen; only dst's is promised
+                seen = "the total" if held == total else "its own shard" if held == own else "neither"
+                note = "dst" if r == 0 else "unspecified, read dst only"
+                course.say(f"    rank {r}: own shard {int(own)}, holds {held:g} = {seen} ({note})")
             same = torch.equal(exact[:2], single[:2]) and torch.allclose(exact[2], single[2])
             course.say(f"result: padded_count={int(naive[1])} exact_count={int(exact[1])} "
                        f"exact_equals_single={same}")

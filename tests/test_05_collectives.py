@@ -3,7 +3,9 @@
 import re
 
 import pytest
+import torch
 
+import common
 from harness import PYTHON, make, run
 from tools import course
 
@@ -50,9 +52,30 @@ def test_point_to_point_and_the_ring():
 
 @pytest.mark.slow
 def test_exact_evaluation_vs_the_padded_count(data_dir):
-    out = make("ddp-eval", "NPROC=3", f"ARGS=--subset 10 --data-dir {data_dir}", timeout=120).stdout
-    assert "result: padded_count=12 exact_count=10 exact_equals_single=True" in out
-    assert re.search(r"rank 1: own shard 3, holds \d+ \(not the total", out)
+    n, ws = 10, 3
+    out = make("ddp-eval", f"NPROC={ws}", f"ARGS=--subset {n} --data-dir {data_dir}", timeout=120).stdout
+    # the same numbers, recomputed here from the model the script left: one process, image by image
+    model = common.ConvNet()
+    model.load_state_dict(torch.load(data_dir / "standin" / "distributed_eval_model.pt", weights_only=True))
+    model.eval()
+    test = common.load_dataset("mnist-standin", data_dir, train=False)
+    with torch.no_grad():
+        right = [int(model(test[i][0][None]).argmax(1).item() == int(test[i][1])) for i in range(n)]
+    padded = -(-n // ws) * ws  # DistributedSampler pads to a multiple of the world size by repeating from the start
+    twice = right + right[:padded - n]
+    assert 0 < sum(right) < n, "a model that gets every image right (or none) cannot tell the counts apart"
+    assert f"counted {padded} images ({padded - n} counted twice), accuracy {sum(twice) / padded:.4f}" in out, out
+    assert f"exact shards + reduce:     counted {n} images, accuracy {sum(right) / n:.4f}" in out, out
+    assert f"single process:            counted {n} images, accuracy {sum(right) / n:.4f}" in out, out
+    assert f"result: padded_count={padded} exact_count={n} exact_equals_single=True" in out  # + the loss sums
+    # after reduce(dst=0): rank 0 holds the total of the shards; PyTorch promises nothing about the others
+    held = {int(r): (int(own), float(value), seen) for r, own, value, seen in re.findall(
+        r"^    rank (\d+): own shard (\d+), holds (\S+) = (the total|its own shard|neither) \(", out, re.M)}
+    assert sorted(held) == list(range(ws)), out
+    assert held[0] == (len(range(0, n, ws)), n, "the total"), held
+    for r, (own, value, seen) in held.items():
+        assert own == len(range(r, n, ws)), (r, held)
+        assert seen == ("the total" if value == n else "its own shard" if value == own else "neither"), (r, held)
 
 
 @pytest.mark.slow
