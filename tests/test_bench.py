@@ -224,3 +224,14 @@ def test_gpu_check_says_so_on_a_machine_without_gpus():
 
     res = run([PYTHON, REPO / "bench/gpu_check.py"], env={"CUDA_VISIBLE_DEVICES": ""}, expect_rc=2)
     assert "gpu-check needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_the_elastic_stress_passes_a_run_only_when_compare_checkpoints_says_true():
+    import stress
+
+    line = "epochs 2 and 2: 8 tensors, {}, largest difference {}"
+    assert stress.recovered(line.format("bitwise identical: True", 0))
+    assert stress.recovered(line.format("identical within 1e-05 (trained on a GPU): True", "3.1e-06"))
+    assert not stress.recovered(line.format("bitwise identical: False", "0.02"))
+    assert not stress.recovered(line.format("identical within 1e-05 (trained on a GPU): False", "0.02"))
+    assert not stress.recovered("")
