@@ -17,9 +17,11 @@ lane, the variants side by side, the share of all-reduce time hidden under backw
 timeline.json/.md (the numbers), and traces/<model>_<variant>_rank<r>.json, the profiler's Chrome trace with the
 hook's buckets added as their own lane (open it in https://ui.perfetto.dev or chrome://tracing).
 
-All times are taken on the CPU. On CUDA they are the times the work was queued; the trace's GPU lanes show the
-kernels, the NCCL ones on their own stream. A small model such as the ConvNet fits in DDP's first bucket: there is
-nothing to overlap, and its default and one-bucket timelines look alike.
+All times are taken on the host. On the CPU that is when the work ran; on CUDA it is only when the work was
+queued (an NCCL all-reduce counts as done once it is queued on its stream), so there the script reports the step
+times (each step ends with a synchronize) and says the all-reduce and overlap figures are not measured: the trace's
+GPU lanes show the kernels, the NCCL ones on their own stream. A small model such as the ConvNet fits in DDP's
+first bucket: there is nothing to overlap, and its default and one-bucket timelines look alike.
 """
 
 import contextlib
@@ -192,7 +194,7 @@ def worker(rank, world_size, args):
                 every = [None] * world_size
                 dist.all_gather_object(every, steps)  # rank 0 draws every rank's lanes
                 results[(model_name, variant)] = every
-                course.print0(rank, f"{model_name:8s} {variant:10s} " + describe(every))
+                course.print0(rank, f"{model_name:8s} {variant:10s} " + describe(every, device.type))
         if rank == 0:
             report(args, results, device, backend, world_size)
         dist.barrier()
@@ -201,17 +203,27 @@ def worker(rank, world_size, args):
         dist.destroy_process_group()
 
 
-def medians(every) -> dict:
+HOST_ONLY = ("allreduce_s", "hidden_share", "backward_wait_s", "first_start_before_compute_end_every_step")
+
+
+def medians(every, device_type: str = "cpu") -> dict:
+    """Medians over every rank's steps. On CUDA the host saw only when work was queued: the figures that need
+    when an all-reduce ran (HOST_ONLY) are None there, not measured."""
     rows = [r for steps in every for r in summarize(steps)]
     med = {k: statistics.median(r[k] for r in rows) for k in ("step_s", "allreduce_s", "hidden_share",
                                                                "backward_wait_s")}
     med["buckets"] = rows[0]["buckets"]
     med["first_start_before_compute_end_every_step"] = all(r["first_start_before_compute_end"] for r in rows)
+    if device_type == "cuda":
+        med.update(dict.fromkeys(HOST_ONLY))
     return med
 
 
-def describe(every):
-    med = medians(every)
+def describe(every, device_type: str = "cpu"):
+    med = medians(every, device_type)
+    if med["hidden_share"] is None:
+        return (f"step {med['step_s'] * 1e3:7.1f} ms, {med['buckets']} bucket(s); all-reduce time and overlap not "
+                f"measured on CUDA (the host sees when work is queued, not when it runs: read the trace's GPU lanes)")
     return (f"step {med['step_s'] * 1e3:7.1f} ms, {med['buckets']} bucket(s), all-reduce "
             f"{med['allreduce_s'] * 1e3:6.1f} ms of which {med['hidden_share']:4.0%} hidden under backward, "
             f"backward waited {med['backward_wait_s'] * 1e3:5.1f} ms after compute")
@@ -228,10 +240,11 @@ def report(args, results, device, backend, world_size):
              "| model | variant | buckets | step ms | all-reduce ms | hidden under backward | backward waited ms |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for (model_name, variant), every in results.items():
-        med = summary["results"][f"{model_name}/{variant}"] = medians(every)
-        lines.append(f"| {model_name} | {variant} | {med['buckets']} | {med['step_s'] * 1e3:.1f} | "
-                     f"{med['allreduce_s'] * 1e3:.1f} | {med['hidden_share']:.0%} | "
-                     f"{med['backward_wait_s'] * 1e3:.1f} |")
+        med = summary["results"][f"{model_name}/{variant}"] = medians(every, device.type)
+        timed = [f"{med['allreduce_s'] * 1e3:.1f}", f"{med['hidden_share']:.0%}", f"{med['backward_wait_s'] * 1e3:.1f}"
+                 ] if med["hidden_share"] is not None else ["not measured on CUDA"] * 3
+        lines.append(f"| {model_name} | {variant} | {med['buckets']} | {med['step_s'] * 1e3:.1f} | " + " | ".join(timed)
+                     + " |")
     course.atomic_write_bytes(json.dumps(summary, indent=1).encode(), out / "timeline.json")
     course.atomic_write_bytes(("\n".join(lines) + "\n").encode(), out / "timeline.md")
     pngs = [draw(out, model_name, results, summary) for model_name in args.models]
@@ -272,8 +285,9 @@ def draw(out, model_name, results, summary):
         ax.set_yticklabels([lab for r in reversed(range(len(every))) for lab in
                             (f"rank {r} all-reduce", f"rank {r} compute")], fontsize=8)
         med = summary["results"][f"{model_name}/{variant}"]
-        ax.set_title(f"{variant}: {med['buckets']} bucket(s), {med['hidden_share']:.0%} of all-reduce hidden",
-                     fontsize=10)
+        ax.set_title(f"{variant}: {med['buckets']} bucket(s), " + (
+            f"{med['hidden_share']:.0%} of all-reduce hidden" if med["hidden_share"] is not None
+            else "times the host queued the work (CUDA), not when it ran"), fontsize=10)
         ax.set_xlabel("ms since the step began (last profiled step)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     fig.legend(handles, list(colors), loc="upper right", ncol=len(colors), fontsize=8)

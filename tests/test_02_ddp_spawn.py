@@ -184,6 +184,24 @@ def test_resume_on_a_gpu(copied, data_dir):
         assert torch.allclose(value.double(), resumed["model"][key].double(), rtol=0, atol=1e-5), key
 
 
+def test_timeline_on_cuda_reports_step_times_and_not_the_queued_all_reduce_times():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ddp_timeline", REPO / "02_ddp_spawn/ddp_timeline.py")
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    # one rank, one step: forward 0-1, backward 1-4 (compute until 3), optimizer 4-5; a bucket 2-3.5
+    every = [[{"phases": [("forward", 0.0, 1.0), ("backward", 1.0, 4.0, 3.0), ("optimizer", 4.0, 5.0)],
+               "buckets": [(0, 2.0, 3.5, 1024)]}]]
+    on_cpu = timeline.medians(every, "cpu")
+    assert (on_cpu["step_s"], on_cpu["allreduce_s"], on_cpu["hidden_share"]) == (5.0, 1.5, 1.0 / 1.5)
+    on_cuda = timeline.medians(every, "cuda")
+    assert on_cuda["step_s"] == 5.0 and on_cuda["buckets"] == 1  # the step ends with a synchronize: measured
+    assert all(on_cuda[k] is None for k in timeline.HOST_ONLY), on_cuda
+    assert "not measured on CUDA" in timeline.describe(every, "cuda")
+    assert "hidden under backward" in timeline.describe(every, "cpu")
+
+
 @pytest.mark.slow
 def test_timeline_all_reduce_overlaps_backward_only_with_several_buckets(tmp_path):
     # ResNet-18 has ~45 MB of gradients: several buckets by default, one with bucket_cap_mb=10000
