@@ -23,6 +23,7 @@ PYABS  := $(if $(findstring /,$(PY)),$(abspath $(PY)),$(PY))
 # ARGS=--device cuda)
 GPUS    := $(shell if [ -n "$${CUDA_VISIBLE_DEVICES+set}" ]; then echo "$$CUDA_VISIBLE_DEVICES" | tr ',' '\n' \
              | grep -c .; else nvidia-smi -L 2>/dev/null | grep -c '^GPU'; fi)
+NPROC_GIVEN := $(if $(filter command line environment,$(origin NPROC)),$(NPROC))
 NPROC   ?= $(if $(filter-out 0 1,$(GPUS)),$(GPUS),2)
 NNODES  ?= 2
 BACKEND ?=
@@ -92,9 +93,9 @@ check-nnodes:
 
 # ------------------------------------------------------------------ 01: single process and DataParallel
 
-smoke: $(STAMP) ## the single-process MNIST baseline, one epoch on the offline stand-in
-	@$(PY) tools/preflight.py 01_dataparallel/mnist_single.py --dataset mnist-standin --epochs 1 $(ARGS)
-	$(PY) 01_dataparallel/mnist_single.py --dataset mnist-standin --epochs 1 $(ARGS)
+smoke: $(STAMP) ## the single-process MNIST baseline, one epoch on the offline stand-in (or DATASET=auto|mnist)
+	@$(PY) tools/preflight.py 01_dataparallel/mnist_single.py --dataset $(or $(DATASET),mnist-standin) --epochs 1 $(ARGS)
+	$(PY) 01_dataparallel/mnist_single.py --dataset $(or $(DATASET),mnist-standin) --epochs 1 $(ARGS)
 
 dataparallel: $(STAMP) ## MNIST with nn.DataParallel over all visible GPUs (on CPU: the module is called as is)
 	@$(PY) tools/preflight.py 01_dataparallel/mnist_dataparallel.py $(TRAIN_ARGS)
@@ -173,6 +174,11 @@ launch-legacy: $(STAMP) check-nproc ## the deprecated python -m torch.distribute
 
 RDZV ?= static
 
+# The simulated nodes share this machine's GPUs: unless NPROC is given, each of N nodes runs GPUS / N processes
+# (one per GPU), or 2 on the CPU where there are fewer GPUs than nodes.
+node_nproc = $(or $(NPROC_GIVEN),$(shell g=$(GPUS); n=$(1); [ "$$n" -gt 0 ] 2>/dev/null && [ "$$g" -ge "$$n" ] \
+               && echo $$((g / n)) || echo 2))
+multinode-tcp multinode-file multinode-torchrun: NPROC = $(call node_nproc,$(NNODES))
 multinode-tcp multinode-file multinode-torchrun: LOCAL_PROCS = $(shell echo $$(( $(NNODES) * $(NPROC) )))
 
 multinode-tcp: $(STAMP) check-nnodes check-nproc ## NNODES "nodes" x NPROC processes here, each started by hand with tcp://
@@ -189,6 +195,7 @@ multinode-spawn: LOCAL_PROCS = $(shell echo $$(( $(subst $(comma),+,$(PROCS)) ))
 multinode-spawn: $(STAMP) check-nproc ## one command per "machine" spawns its processes; PROCS=2,1: machines of 2 and 1
 	$(PY) 04_multinode_tcp/spawn_per_node.py --nproc-per-node $(PROCS) --simulate-nodes $(ARGS)
 
+multinode-netns: NPROC = $(call node_nproc,2)
 multinode-netns: LOCAL_PROCS = $(shell echo $$(( 2 * $(NPROC) )))
 multinode-netns: $(STAMP) check-nproc ## two real hosts in network namespaces (needs root); NPROC per host
 	PYTHON=$(PY) bash 04_multinode_tcp/netns_2hosts.sh $(NPROC) $(DIST_ARGS)

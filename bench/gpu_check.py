@@ -10,7 +10,8 @@ What runs depends on the GPUs visible:
 - every make target once, on CUDA: with NCCL where there is a GPU for every process (NPROC = the GPU count),
   with processes sharing the GPU through Gloo where there is only one (NPROC=2 --device cuda --backend gloo);
   demos that need more GPUs than there are say so in their row ("needs 2 GPUs") and run on the CPU;
-- the benchmarks that give the figures: MNIST on one GPU (epoch time, accuracy), ResNet-18 images/s in fp32
+- the benchmarks that give the figures: MNIST on one GPU (epoch time, accuracy; the MNIST goals are judged only
+  on real MNIST, which `--dataset auto` takes when it is in data/ or can be downloaded), ResNet-18 images/s in fp32
   (TF32 off), TF32, bf16 and fp16, DDP's cost at world size 1, DataParallel on one GPU, and all_reduce bus
   bandwidth where there are 2 GPUs or more.
 
@@ -78,7 +79,8 @@ def plan(gpus: int, is_root: bool = True, bench_out: str = "bench/results") -> l
         Step("pytest cuda/multigpu", [sys.executable, "-m", "pytest", "-m", "cuda or multigpu", "tests", "-q",
                                       "-p", "no:cacheprovider"], timeout=1200,
              note="" if many else "multigpu tests are skipped: they need 2 GPUs"),
-        Step("smoke", make("smoke", ARGS="--epochs 2"), note="MNIST on one GPU: the figures below"),
+        Step("smoke", make("smoke", DATASET="auto", ARGS="--epochs 2"),
+             note="MNIST on one GPU: the figures below (the goals need real MNIST, not the stand-in)"),
         Step("dataparallel", make("dataparallel", EPOCHS=1),
              note=f"nn.DataParallel over {gpus} GPU(s)" + ("" if many else ": one GPU, nothing to split")),
         Step("dp-shapes", make("dp-shapes"), note="" if many else "one GPU: the split for 2 is shown, not run"),
@@ -166,9 +168,9 @@ def newest(out_dir: Path, prefix: str, since: float) -> dict | None:
 def figures(rows: list[dict], out_dir: Path, since: float, gpus: int) -> dict:
     """The GPU figures a reader wants, from the steps' final lines and the benchmarks' results."""
     fig = {}
-    smoke = next((r for r in rows if r["step"] == "smoke" and r["passed"]), None)
-    if smoke and smoke["final"]:
-        f = smoke["final"]
+    single = next((r for r in rows if r["step"] == "smoke" and r["passed"]), None)
+    if single and single["final"]:
+        f = single["final"]
         fig["mnist_one_gpu"] = {"dataset": f["dataset"], "epochs": int(f["epochs"]),
                                 "test_acc": float(f["test_acc"]),
                                 "seconds_per_epoch": float(f["seconds"]) / int(f["epochs"])}
@@ -191,8 +193,10 @@ def figures(rows: list[dict], out_dir: Path, since: float, gpus: int) -> dict:
 
 
 def goals(fig: dict) -> dict:
-    """The course's GPU goals, met or not (None: not measured)."""
+    """The course's GPU goals, met or not (None: not measured). The MNIST goals are about real MNIST: a run on
+    the stand-in (no MNIST in data/ and no internet) leaves them unmeasured."""
     mnist = fig.get("mnist_one_gpu")
+    mnist = mnist if mnist and mnist["dataset"] == "mnist" else None
     ratio = fig.get("resnet18_vs_fp32", {}).get("bf16")
     return {"mnist_test_acc >= 0.98": None if not mnist else mnist["test_acc"] >= GOALS["mnist_test_acc"],
             "mnist_epoch_s < 2": None if not mnist else mnist["seconds_per_epoch"] < GOALS["mnist_epoch_s"],

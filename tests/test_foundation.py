@@ -246,20 +246,36 @@ def test_the_harness_fails_a_command_that_leaves_a_process_behind_and_stops_it()
     assert not alive, f"the leftover was not stopped: {alive}"
 
 
+def dry_run(tmp_path, gpus: int, *make_args, visible: str | None = None) -> str:
+    """What make would run on a machine whose nvidia-smi -L lists `gpus` GPUs."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n" for i in range(gpus)))
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC", "NNODES")}
+    env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    return subprocess.run(["make", "-n", *make_args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60).stdout
+
+
 @pytest.mark.parametrize("gpus, visible, expected", [(0, None, 2), (1, None, 2), (3, None, 3), (3, "0", 1 + 1),
                                                      (3, "", 2)])
 def test_nproc_defaults_to_one_process_per_gpu_and_to_2_with_fewer_gpus(tmp_path, gpus, visible, expected):
     """Targets compare ranks: never fewer than 2 processes, also on a machine with one GPU."""
-    fake = tmp_path / "nvidia-smi"  # what nvidia-smi -L prints on a machine with `gpus` GPUs
-    fake.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n" for i in range(gpus)))
-    fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    env["PATH"] = f"{tmp_path}:{env['PATH']}"
-    if visible is not None:
-        env["CUDA_VISIBLE_DEVICES"] = visible
-    dry = subprocess.run(["make", "-n", "ddp-torchrun"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=60).stdout
+    dry = dry_run(tmp_path, gpus, "ddp-torchrun", visible=visible)
     assert f"--nproc-per-node {expected} " in dry, dry
+
+
+@pytest.mark.parametrize("gpus, args, per_node", [(0, [], 2), (1, [], 2), (2, [], 1), (8, [], 4), (8, ["NNODES=4"], 2),
+                                                  (8, ["NPROC=3"], 3)])
+def test_simulated_nodes_share_the_gpus_unless_nproc_is_given(tmp_path, gpus, args, per_node):
+    """NNODES nodes on one machine: GPUS / NNODES processes each, so every process gets a GPU of its own."""
+    nnodes = 4 if "NNODES=4" in args else 2
+    assert f"launch_local.sh tcp {nnodes} {per_node} " in dry_run(tmp_path, gpus, "multinode-tcp", *args)
+    if nnodes == 2:
+        assert f"launch_torchrun_nodes.sh static 2 {per_node} " in dry_run(tmp_path, gpus, "multinode-torchrun", *args)
+        assert f"netns_2hosts.sh {per_node} " in dry_run(tmp_path, gpus, "multinode-netns", *args)
 
 
 def test_every_script_answers_help_with_a_whole_sentence_or_says_how_to_start_it():
