@@ -135,11 +135,10 @@ def main():
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),  # DDP: join the job
                             device_id=device if backend == "nccl" else None)
     try:
-        # one process per node prepares the data (see mnist_torchrun.py); a download may outlast --timeout
-        data_ready = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))  # DDP: a side group
+        # one process per node prepares the data (as in mnist_torchrun.py) ...
         if local_rank == 0:
             args.dataset = common.prepare_data(args.dataset, args.data_dir, family="cifar10")
-        dist.barrier(group=data_ready)  # DDP: the others wait here until the data is ready
+        dist.barrier()  # DDP: ... while the others wait, up to --timeout (run `make data` first for a slow download)
         args.dataset = data.resolve_dataset(args.dataset, args.data_dir, family="cifar10")
         train(args, device, rank, world_size)
         dist.barrier()  # DDP: every rank finishes its work before any tears the group down
