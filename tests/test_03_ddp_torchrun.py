@@ -105,6 +105,23 @@ def test_legacy_launcher_passes_local_rank_and_it_parses(data_dir):
     assert "torch.distributed.launch is deprecated" in res.stderr  # it still runs, and says so
 
 
+def test_the_old_launchers_use_env_sets_local_rank_instead_of_passing_it(tmp_path):
+    show = tmp_path / "show.py"  # a worker that needs no torch: what arrived, as argument and in the environment
+    show.write_text("import os, sys\nprint('argv', sys.argv[1:], 'LOCAL_RANK', os.environ.get('LOCAL_RANK'))\n")
+    res = run([PYTHON, "-m", "torch.distributed.launch", "--use-env", "--local-addr", "127.0.0.1",
+               "--nproc-per-node", "1", show], timeout=120)
+    assert "argv [] LOCAL_RANK 0" in res.stdout, res.tail()
+
+
+def test_init_device_mesh_starts_the_default_group_itself():
+    code = ("import torch.distributed as dist\nfrom torch.distributed.device_mesh import init_device_mesh\n"
+            "assert not dist.is_initialized()\nmesh = init_device_mesh('cpu', (1,))\n"
+            "print('group', dist.is_initialized(), dist.get_world_size(), mesh.size())\n"
+            "dist.destroy_process_group()\n")
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(common.free_port())}
+    assert "group True 1 1" in run([PYTHON, "-c", code], env=env, timeout=120).stdout
+
+
 @pytest.mark.slow
 def test_one_process_prepares_the_data_while_the_others_wait(tmp_path):
     res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "03_ddp_torchrun/mnist_torchrun.py",
