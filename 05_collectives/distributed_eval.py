@@ -3,7 +3,9 @@
 The usual shortcut, a DistributedSampler over the test set, pads it so that every rank gets the same
 number of samples: some images are counted twice. This script shows the padded count next to the
 exact one (rank r takes images r, r+world_size, ...), adds the sums up with dist.reduce onto rank 0,
-and compares with a plain single-process evaluation.
+and compares with a plain single-process evaluation. Any metric built from counts works the same way: each rank
+counts its confusion matrix (true class x predicted class), one reduce adds them, and per-class recall or the
+mean IoU of a segmentation model comes out of the sum exactly.
 
     torchrun --standalone --nproc-per-node 3 05_collectives/distributed_eval.py
     torchrun --standalone --nproc-per-node 3 05_collectives/distributed_eval.py \\
@@ -40,6 +42,22 @@ def quick_model(data_dir, steps=100):
     return model.state_dict()
 
 
+@torch.no_grad()
+def confusion_matrix(model, loader, classes: int = 10) -> torch.Tensor:
+    """matrix[t, p] = how many images of class t the model called p: counts, so the ranks' matrices add up."""
+    matrix = torch.zeros(classes, classes, dtype=torch.int64)
+    for x, y in loader:
+        matrix += torch.bincount(y * classes + model(x).argmax(1), minlength=classes * classes).view(classes, classes)
+    return matrix
+
+
+def mean_iou(matrix: torch.Tensor) -> float:
+    """Mean over the classes that occur of TP / (TP + FP + FN), from the summed matrix (not a mean of means)."""
+    tp = matrix.diag().double()
+    union = matrix.sum(0) + matrix.sum(1) - matrix.diag()
+    return (tp[union > 0] / union[union > 0]).mean().item()
+
+
 def main():
     parser = course.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="a checkpoint from the MNIST chain (default: train 100 steps)")
@@ -62,6 +80,7 @@ def main():
         state = torch.load(path, map_location="cpu", weights_only=True)
         model = common.ConvNet()
         model.load_state_dict(state.get("model", state))
+        model.eval()
         test = common.load_dataset("mnist-standin", args.data_dir, train=False)
         if args.subset:
             test = Subset(test, range(min(args.subset, len(test))))
@@ -73,9 +92,11 @@ def main():
         # exact: disjoint strided shards, nothing repeated, nothing left out
         exact = common.evaluate(model, course.batch_loader(test, 500, sampler=range(rank, n, ws)), "cpu")
         mine = exact.clone()
+        matrix = confusion_matrix(model, course.batch_loader(test, 500, sampler=range(rank, n, ws)))
 
         dist.all_reduce(naive)             # every rank gets the (wrong) padded totals
         dist.reduce(exact, dst=0)          # only rank 0 needs the totals: reduce, not all_reduce
+        dist.reduce(matrix, dst=0)         # the same for any metric made of counts
         rows = [None] * ws
         dist.all_gather_object(rows, (mine[1].item(), exact[1].item()))
         if rank == 0:
@@ -87,6 +108,9 @@ def main():
                        f"accuracy {exact[0] / exact[1]:.4f}")
             course.say(f"  single process:            counted {int(single[1])} images, "
                        f"accuracy {single[0] / single[1]:.4f}")
+            whole = confusion_matrix(model, course.batch_loader(test, 500))
+            course.say(f"  confusion matrix summed over the ranks: mean IoU {mean_iou(matrix):.4f} "
+                       f"(single process {mean_iou(whole):.4f}), matrices equal: {torch.equal(matrix, whole)}")
             course.say("  after dist.reduce(dst=0), what each rank holds as its 'count':")
             total = sum(own for own, _ in rows)
             for r, (own, held) in enumerate(rows):  # what the value is, as seen; only dst's is promised

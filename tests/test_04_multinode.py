@@ -69,11 +69,19 @@ def test_two_torchrun_agents(rdzv, nproc, data_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_a_missing_node_fails_in_seconds_not_minutes(rdzv, data_dir):
-    # torchrun's default join timeout is 600 s; the 90 s outer bound shows JOIN_TIMEOUT=5 is honoured
+    # torchrun's own join timeout is 600 s: the 90 s bound fails a launcher that passes none; the printed
+    # command shows JOIN_TIMEOUT=5 reaching torchrun (the launcher's own default is 30)
     res = run(["bash", REPO / "04_multinode_tcp/launch_torchrun_nodes.sh", rdzv, "2", "1",
                *SHORT.format(data_dir).split()],
               env={"PYTHON": PYTHON, "JOIN_TIMEOUT": "5", "ONLY_NODES": "0"}, timeout=90, expect_rc=1)
     assert "a node failed" in res.stderr
+    conf = "timeout=5" if rdzv == "static" else "join_timeout=5"
+    assert re.search(rf"^node 0: .* --rdzv-conf {conf} ", res.stdout, re.M), res.tail()
+    if rdzv == "static":  # the master's store says how long it waited: 5 s (and a second of polling), not 30
+        assert re.search(r"Timed out after [56] seconds waiting for clients\. 1/2 clients joined", res.stderr), \
+            res.tail()
+    else:  # c10d names no time: the agent gave up on the rendezvous
+        assert "RendezvousTimeoutError" in res.stderr, res.tail()
 
 
 @pytest.mark.slow

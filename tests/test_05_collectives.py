@@ -60,7 +60,15 @@ def test_exact_evaluation_vs_the_padded_count(data_dir):
     model.eval()
     test = common.load_dataset("mnist-standin", data_dir, train=False)
     with torch.no_grad():
-        right = [int(model(test[i][0][None]).argmax(1).item() == int(test[i][1])) for i in range(n)]
+        predicted = [int(model(test[i][0][None]).argmax(1).item()) for i in range(n)]
+    truth = [int(test[i][1]) for i in range(n)]
+    right = [int(p == t) for p, t in zip(predicted, truth, strict=True)]
+    ious = []  # per class that occurs: images called c and of class c, over images called c or of class c
+    for c in set(truth) | set(predicted):
+        both = sum(p == c and t == c for p, t in zip(predicted, truth, strict=True))
+        either = sum(p == c or t == c for p, t in zip(predicted, truth, strict=True))
+        ious.append(both / either)
+    miou = sum(ious) / len(ious)
     padded = -(-n // ws) * ws  # DistributedSampler pads to a multiple of the world size by repeating from the start
     twice = right + right[:padded - n]
     assert 0 < sum(right) < n, "a model that gets every image right (or none) cannot tell the counts apart"
@@ -68,6 +76,8 @@ def test_exact_evaluation_vs_the_padded_count(data_dir):
     assert f"exact shards + reduce:     counted {n} images, accuracy {sum(right) / n:.4f}" in out, out
     assert f"single process:            counted {n} images, accuracy {sum(right) / n:.4f}" in out, out
     assert f"result: padded_count={padded} exact_count={n} exact_equals_single=True" in out  # + the loss sums
+    assert (f"confusion matrix summed over the ranks: mean IoU {miou:.4f} (single process {miou:.4f}), "
+            "matrices equal: True") in out, out
     # after reduce(dst=0): rank 0 holds the total of the shards; PyTorch promises nothing about the others
     held = {int(r): (int(own), float(value), seen) for r, own, value, seen in re.findall(
         r"^    rank (\d+): own shard (\d+), holds (\S+) = (the total|its own shard|neither) \(", out, re.M)}
@@ -140,8 +150,14 @@ def test_error_gallery_makes_each_error_and_its_fix_runs():
 @pytest.mark.slow
 @pytest.mark.multigpu
 def test_hang_demo_on_nccl_uses_a_gloo_side_group_for_the_monitored_barrier():
-    out = make("hang-demo", "NPROC=2", "BACKEND=nccl", timeout=180).stdout
-    assert out.count("failed in seconds, as it should") == 2, out
+    # the make target echoes "failed in seconds" after any failure: the messages show which failure it was
+    res = make("hang-demo", "NPROC=2", "BACKEND=nccl", timeout=180)
+    assert res.output.count("failed in seconds, as it should") == 2, res.tail()
+    # DETAIL wraps the NCCL group too: the mismatch is named before NCCL could hang on it
+    assert "Detected mismatch between collectives on ranks" in res.output, res.tail()
+    assert "OpType=ALLREDUCE" in res.output and "OpType=BARRIER" in res.output, res.tail()
+    # monitored_barrier ran (on the Gloo side group: NCCL has none) and named the straggler
+    assert "Ranks 1 failed to pass monitoredBarrier" in res.output, res.tail()
 
 
 def test_the_old_names_of_all_gather_and_reduce_scatter_into_a_tensor_still_work_and_warn():

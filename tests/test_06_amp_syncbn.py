@@ -102,10 +102,21 @@ def test_augment_cifar_crops_and_flips_whole_batches(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "06_amp_syncbn"))
     from cifar_resnet import augment_cifar
 
-    x = torch.arange(2 * 3 * 32 * 32, dtype=torch.float32).view(2, 3, 32, 32)
+    n = 32
+    x = torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(1)) + 1  # no pixel is 0, as padding is
     out = augment_cifar(x, torch.Generator().manual_seed(0))
     assert out.shape == x.shape
-    assert not torch.equal(out, x), "a crop offset or a flip changes the image"
+    padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
+    seen = []
+    for i in range(n):  # each image: exactly one 32x32 window of its 4-padded self, flipped or not
+        windows = {(top, left): padded[i, :, top:top + 32, left:left + 32] for top in range(9) for left in range(9)}
+        found = [(top, left, flip) for (top, left), w in windows.items() for flip in (False, True)
+                 if torch.equal(out[i], w.flip(2) if flip else w)]
+        assert len(found) == 1, (i, found)
+        seen.append(found[0])
+    flips = [f for _, _, f in seen]
+    assert 0 < sum(flips) < n, "half of the images flipped, not all or none"
+    assert len({(t, c) for t, c, _ in seen}) > n // 2, "the crop offsets vary from image to image"
 
 
 def gpu_ranks() -> list[str]:
