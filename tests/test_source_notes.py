@@ -81,6 +81,15 @@ def test_the_notes_commands_run_or_name_the_course_way(data_dir):
     assert "--rank without --nproc-per-node" in two_nodes[1] and "add --nproc-per-node N" in two_nodes[1]
 
 
+@pytest.mark.parametrize("script", ["06_amp_syncbn/mnist_amp_syncbn.py", "06_amp_syncbn/cifar_resnet.py"])
+def test_use_mix_precision_means_fp16_in_both_step_6_scripts(script):
+    """Kai Zhang's --use_mix_precision switches on torch.cuda.amp.autocast (float16) and a GradScaler: --amp fp16."""
+    parser = parser_of(script)
+    assert parser.parse_args(["--use_mix_precision"]).amp == "fp16"
+    assert parser.parse_args(["--amp", "fp16"]).amp == "fp16"
+    assert parser.parse_args([]).amp != "fp16", "without the flag the default is not fp16"
+
+
 # ------------------------------------------------------------------ the notes' hyperparameters and the course's
 
 MNIST_SCRIPTS = ("01_dataparallel/mnist_single.py", "01_dataparallel/mnist_dataparallel.py",
