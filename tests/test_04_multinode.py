@@ -51,9 +51,22 @@ def test_simulated_nodes_split_the_gpus_or_fall_back_to_the_cpu():
 
 @pytest.mark.slow
 def test_two_nodes_through_a_fresh_file(data_dir):
-    res = make("multinode-file", "NNODES=2", "NPROC=2", "ARGS=" + SHORT.format(data_dir), timeout=240)
-    assert "rank 3 (local rank 1) of 4 joined via file://" in res.stdout
-    assert res.final["world_size"] == 4 and res.final["test_samples"] == 4000
+    res = make("multinode-file", "NNODES=2", "NPROC=1", "ARGS=" + SHORT.format(data_dir), timeout=240)
+    assert "rank 1 (local rank 0) of 2 joined via file://" in res.stdout
+    assert res.final["world_size"] == 2 and res.final["test_samples"] == 4000
+
+
+@pytest.mark.slow
+def test_on_one_machine_rank_and_world_size_are_enough(data_dir):
+    """Kai Zhang's TCP mode without -g or --nproc-per-node: every process on this machine, local rank = rank."""
+    port = str(common.free_port())
+    out = run(["bash", "-c", "".join(
+        f"{PYTHON} 04_multinode_tcp/mnist_tcp.py --init-method tcp://127.0.0.1:{port} --world-size 2 "
+        f"--rank {r} {SHORT.format(data_dir)} & p{r}=$!; " for r in (0, 1))
+        + "wait $p0; a=$?; wait $p1; b=$?; echo exits $a $b"], timeout=180)
+    assert "exits 0 0" in out.stdout, out.tail()
+    assert "rank 1 (local rank 1) of 2 joined via tcp://" in out.stdout, out.tail()
+    assert out.final["world_size"] == 2 and out.final["test_samples"] == 4000
 
 
 @pytest.mark.slow

@@ -66,6 +66,24 @@ def well_formed(summary: dict, positive: bool = True) -> bool:
 
 
 @pytest.mark.slow
+def assert_rotated(per_round: list[dict], name: str) -> None:
+    """The rounds as the JSON keeps them (in the order the variants ran): every variant once per round, round r
+    starting with variant r, so no variant always runs first."""
+    names = list(per_round[0])
+    for r, results in enumerate(per_round):
+        assert list(results) == benchlib.rotated(names, r), f"{name}: round {r + 1} ran in the order {list(results)}"
+
+
+@pytest.mark.parametrize("record", sorted(p.name for p in (REPO / "bench/results").glob("*.json")
+                                          if "per_round" in json.loads(p.read_text())
+                                          and isinstance(json.loads(p.read_text())["per_round"][0], dict)
+                                          and not p.name.startswith("versions_")))
+def test_every_recorded_benchmark_ran_its_variants_in_a_rotating_order(record):
+    per_round = json.loads((REPO / "bench/results" / record).read_text())["per_round"]
+    assert len(per_round) >= 3 and len(per_round[0]) >= 2, "a rotation needs rounds and variants to show"
+    assert_rotated(per_round, record)
+
+
 def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, data_dir):
     out = tmp_path / "results"
     result = make("bench-quick", f"BENCH_OUT={out}", f"BENCH_DATA={data_dir}", timeout=240)
@@ -84,6 +102,7 @@ def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, da
         assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{bench}: not a PNG"
         if "per_round" in data:  # measured in rounds: median, min and max
             assert data["results"] and all(well_formed(s) for s in data["results"].values()), data["results"]
+            assert_rotated(data["per_round"], bench)
             assert all(well_formed(s, positive=not k.endswith("overhead")) for k, s in data["ratios"].items())
 
     throughput = json.loads(next(out.glob("throughput_*.json")).read_text())
