@@ -291,3 +291,18 @@ def test_every_script_answers_help_with_a_whole_sentence_or_says_how_to_start_it
             assert words and words[-1].endswith((".", "?", ")")), f"{name}: the help's description stops mid-sentence"
         else:  # the one script without a parser, which only torchrun starts
             assert isinstance(code, str) and code.startswith("error: torchrun starts this script"), (name, code)
+
+
+def test_gpu_tests_are_marked_and_skipped_where_there_is_no_gpu():
+    """Every test marked `cuda` or `multigpu` is skipped, with its reason, on a machine without a GPU (here: CUDA
+    hidden), and none of them passes or fails there. The unmarked tests run on the CPU in every `make test`."""
+    marked = sum(len(re.findall(r"^@pytest\.mark\.(?:cuda|multigpu)$", p.read_text(), re.M))
+                 for p in (REPO / "tests").glob("test_*.py"))
+    res = subprocess.run([PYTHON, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "cuda or multigpu",
+                          "tests"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    summary = res.stdout.strip().splitlines()[-1]
+    assert re.match(rf"^{marked} skipped, \d+ deselected in ", summary), res.stdout[-2000:]
+    reasons = re.findall(r"^SKIPPED \[(\d+)\] \S+: needs ([12]) usable CUDA GPU\(s\); this machine has 0$", res.stdout,
+                         re.M)
+    assert sum(int(n) for n, _ in reasons) == marked, res.stdout[-2000:]
