@@ -35,6 +35,11 @@ def test_bf16_with_sync_bn_converges_like_fp32(data_dir, tmp_path):
         assert bf16.final["amp"] == "fp16", "auto is fp16 on CUDA"
     assert bf16.final["sync_bn"] == "True" and fp32.final["amp"] == "off"
     check_trace(tmp_path / "trace", world_size=2, epochs=1, checks=("shards", "ddp", "buffers", "eval", "eval_sum"))
+    from tools import tracecheck
+
+    synced = "SyncBatchNorm" if course.choose_device(procs_per_node=2)[0].type == "cuda" else "AllReduceBatchNorm2d"
+    for rank, events in tracecheck.load(tmp_path / "trace").items():  # what the DDP wrap really got, per rank
+        assert [e["norms"] for e in events if e["ev"] == "ddp"] == [[synced]], (rank, synced)
     assert bf16.final["test_samples"] == 4000
     assert fp32.final["test_acc"] > 0.94
     assert abs(bf16.final["test_acc"] - fp32.final["test_acc"]) < 0.01

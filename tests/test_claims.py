@@ -78,11 +78,22 @@ def collected() -> dict[str, bool]:
 
 
 def json_value(path: str):
-    file, _, keys = path.partition("#")
+    """The value at `FILE#KEY/KEY`, or a sum and difference of such values in one record (`FILE#A - B`): a
+    number the prose derives, such as "failed in 4 of 5 runs" from the runs and the passes."""
+    file, _, expression = path.partition("#")
     data = json.loads((REPO / file).read_text())
-    for quoted, plain in re.findall(r'"([^"]+)"|([^/]+)', keys):
-        data = data[int(plain)] if isinstance(data, list) and plain.isdigit() else data[quoted or plain]
-    return data
+    terms = re.split(r" ([+-]) ", expression)
+    total = None
+    for sign, keys in zip(["+", *terms[1::2]], terms[0::2], strict=True):
+        value = data
+        for quoted, plain in re.findall(r'"([^"]+)"|([^/]+)', keys):
+            value = value[int(plain)] if isinstance(value, list) and plain.isdigit() else value[quoted or plain]
+        if len(terms) == 1:
+            return value
+        if not isinstance(value, (int, float)):
+            raise TypeError(f"{keys} holds {value!r}, not a number")
+        total = (total or 0) + (value if sign == "+" else -value)
+    return total
 
 
 def problems(row: dict) -> list[str]:
@@ -192,7 +203,6 @@ def sentences(text: str) -> list[str]:
             units += prose
             caption = prose[-1]  # the sentence that introduces a table below it
     return units
-    return False
 
 
 def test_every_claim_has_a_proof_that_exists_and_numbers_that_match():
@@ -210,6 +220,8 @@ def test_readme_points_to_the_claims_table():
 
 TP = "bench/results/throughput_gloo_cpu2_2026-11-22.json"
 SP = f"`{TP}#ratios/speedup_ws2/median = 0.92`"
+SE = "bench/results/stress_elastic_gloo_cpu2_2026-11-22.json"
+SD = f"{SE}#runs - passed_without_workaround"  # a derived number: the runs that failed
 SAMPLE = f"""
 | id | claim | stated in | kind | runs on | proof |
 |---|---|---|---|---|---|
@@ -221,6 +233,9 @@ SAMPLE = f"""
 | notest | x | README.md | behaviour | CPU | `tests/test_common.py::test_that_does_not_exist` |
 | gpu | x | README.md | behaviour | CPU | `tests/test_02_ddp_spawn.py::test_resume_on_a_gpu` |
 | nolink | x | README.md | external | - | `see the docs` |
+| derived | the restart failed in 4 of 5 runs | 03_ddp_torchrun/README.md | repeated | - | `{SD} = 4` |
+| derivedoff | the restart failed in 3 of 5 runs | 03_ddp_torchrun/README.md | repeated | - | `{SD} = 3` |
+| derivedtext | the machine minus one | 03_ddp_torchrun/README.md | repeated | - | `{SE}#runs - machine = 4` |
 """
 
 
@@ -229,6 +244,7 @@ SAMPLE = f"""
     ("second", "is not stated in a sentence of 05_collectives/README.md"), ("off", "the record says"),
     ("nokey", "no such key"), ("notest", "not collected"),
     ("gpu", "marked for GPUs"), ("nolink", "not a test, notebook cell"),
+    ("derived", None), ("derivedoff", "the record says 4"), ("derivedtext", "no such key"),
 ])
 def test_the_checker_catches_each_kind_of_broken_row(row_id, expected):
     row = next(r for r in rows(SAMPLE) if r["id"] == row_id)

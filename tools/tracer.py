@@ -9,7 +9,7 @@ to DIR/trace-PID.jsonl:
     loader    a DataLoader starts an epoch: training or evaluation (autograd on or off), the sampler's kind and
               settings, and every index it will hand out in that pass
     set_epoch DistributedSampler.set_epoch(epoch)
-    ddp       a DistributedDataParallel wrap
+    ddp       a DistributedDataParallel wrap: its settings, and the classes of the model's normalisation layers
     digest    when an evaluation starts, at destroy_process_group, and when an optimizer is freed: a CRC-32 of
               the parameters of every optimizer (the trained weights, wrapped in DDP or not) and of the buffers
               of every DDP module
@@ -177,7 +177,8 @@ def install(trace_dir: str) -> None:
 
     def ddp_made(_, self, *args, **kwargs):
         _ddps.add(self)
-        record("ddp", broadcast_buffers=self.broadcast_buffers, device_ids=[str(d) for d in self.device_ids or []])
+        record("ddp", broadcast_buffers=self.broadcast_buffers, device_ids=[str(d) for d in self.device_ids or []],
+               norms=sorted({type(m).__name__ for m in self.module.modules() if "Norm" in type(m).__name__}))
 
     _wrap(DistributedDataParallel, "__init__", after=ddp_made)
     _wrap(torch, "save", before=lambda obj, f, *a, **k: record("save", path=os.path.abspath(
