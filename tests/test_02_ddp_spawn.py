@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-import common
 from harness import PYTHON, REPO, check_trace, make, python, run, traced
 from tools import course
 
@@ -38,7 +37,7 @@ def test_distributed_sampler_covers_pads_and_reshuffles_only_with_set_epoch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [3])  # 3: every claim of the script at a world size other than 2
 def test_ddp_averages_gradients(nproc):
     res = make("ddp-equivalence", f"NPROC={nproc}", timeout=120)
     m = re.search(r"plain_diff=(\S+) bn_whole_diff=(\S+) bn_shard_diff=(\S+) gradients_averaged=True", res.stdout)
@@ -129,23 +128,6 @@ def copied(tmp_path_factory):
     for name in ("02_ddp_spawn/mnist_spawn.py", "common.py"):
         shutil.copy(REPO / name, folder)
     return folder
-
-
-@pytest.mark.slow
-def test_three_ranks_exact_evaluation_and_resume(copied, data_dir):
-    a, _, b2, straight, resumed = spawn_runs(copied, data_dir, nproc=3)
-    assert a.final["world_size"] == 3
-    assert a.final["test_samples"] == 4000, "4000 is not divisible by 3: no sample may be counted twice"
-    # the distributed accuracy equals a plain single-process evaluation of the saved checkpoint
-    model = common.ConvNet()
-    model.load_state_dict(straight["model"])
-    test_set = common.load_dataset("mnist-standin", data_dir, train=False)
-    correct, samples, _ = common.evaluate(model, course.batch_loader(test_set, 1000), "cpu").tolist()
-    assert samples == 4000 and round(correct / samples, 4) == a.final["test_acc"]
-    # with 3 ranks the resumed run's first all-reduce adds in another order: equal to about 1e-5 (the README's claim)
-    worst = max((value.double() - resumed["model"][key].double()).abs().max().item()
-                for key, value in straight["model"].items())
-    assert worst <= 1e-5, worst
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ import re
 import subprocess
 
 import pytest
+import torch
 
 import common
 from harness import PYTHON, REPO, TAG, TORCHRUN, check_trace, kill_tagged, make, run, traced, wait_gone
@@ -25,10 +26,19 @@ def test_headline_torchrun_run(data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_three_processes_count_every_test_image_once(data_dir):
-    res = make("ddp-torchrun", "NPROC=3", "EPOCHS=1", "ARGS=--max-steps 30 " + STANDIN.format(data_dir),
-               timeout=240)
-    assert res.final["world_size"] == 3 and res.final["test_samples"] == 4000
+def test_three_processes_count_every_test_image_once(data_dir, tmp_path):
+    res = make("ddp-torchrun", "NPROC=3", "EPOCHS=1",
+               f"ARGS=--max-steps 30 --checkpoint-dir {tmp_path / 'ck'} " + STANDIN.format(data_dir),
+               env=traced(tmp_path / "trace"), timeout=240)
+    assert res.final["world_size"] == 3
+    assert res.final["test_samples"] == 4000, "4000 is not divisible by 3: no sample may be counted twice"
+    check_trace(tmp_path / "trace", world_size=3, epochs=1, checks=("shards", "eval", "eval_sum"))
+    # the distributed accuracy equals a plain single-process evaluation of the saved checkpoint
+    model = common.ConvNet()
+    model.load_state_dict(torch.load(tmp_path / "ck" / "mnist_torchrun.pt", weights_only=True)["model"])
+    test_set = common.load_dataset("mnist-standin", data_dir, train=False)
+    correct, samples, _ = common.evaluate(model, course.batch_loader(test_set, 1000), "cpu").tolist()
+    assert samples == 4000 and round(correct / samples, 4) == res.final["test_acc"]
 
 
 def elastic_run(data_dir, tmp_path, device):
@@ -113,13 +123,15 @@ def test_the_old_launchers_use_env_sets_local_rank_instead_of_passing_it(tmp_pat
     assert "argv [] LOCAL_RANK 0" in res.stdout, res.tail()
 
 
-def test_init_device_mesh_starts_the_default_group_itself():
+def test_init_device_mesh_starts_the_default_group_itself_with_gloo_for_the_cpu():
     code = ("import torch.distributed as dist\nfrom torch.distributed.device_mesh import init_device_mesh\n"
             "assert not dist.is_initialized()\nmesh = init_device_mesh('cpu', (1,))\n"
-            "print('group', dist.is_initialized(), dist.get_world_size(), mesh.size())\n"
+            "print('group', dist.is_initialized(), dist.get_world_size(), mesh.size(), dist.get_backend(),"
+            " dist.get_backend_config())\n"
             "dist.destroy_process_group()\n")
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(common.free_port())}
-    assert "group True 1 1" in run([PYTHON, "-c", code], env=env, timeout=120).stdout
+    # no backend named: the CPU gets Gloo, which get_backend() does not say ("undefined"); the config does
+    assert "group True 1 1 undefined cpu:gloo" in run([PYTHON, "-c", code], env=env, timeout=120).stdout
 
 
 @pytest.mark.slow
