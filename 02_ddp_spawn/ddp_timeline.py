@@ -8,7 +8,7 @@ Every rank trains a few steps under torch.profiler. A timed copy of DDP's own al
 gradient bucket's all-reduce starts (the bucket is ready) and ends; a hook on every parameter notes when its
 gradient is computed, so backward's compute ends with the last one. Three variants of each model:
 
-    default     DDP's default buckets (25 MB, the first 1 MB): buckets all-reduce while backward still runs
+    default     DDP's default buckets (25 MB): buckets all-reduce while backward still runs
     one-bucket  bucket_cap_mb=10000: one bucket, ready only when the last gradient is, so nothing overlaps
     no-sync     4 micro-batches, the first 3 inside model.no_sync(): no communication until the last backward
 
@@ -20,8 +20,8 @@ hook's buckets added as their own lane (open it in https://ui.perfetto.dev or ch
 All times are taken on the host. On the CPU that is when the work ran; on CUDA it is only when the work was
 queued (an NCCL all-reduce counts as done once it is queued on its stream), so there the script reports the step
 times (each step ends with a synchronize) and says the all-reduce and overlap figures are not measured: the trace's
-GPU lanes show the kernels, the NCCL ones on their own stream. A small model such as the ConvNet fits in DDP's
-first bucket: there is nothing to overlap, and its default and one-bucket timelines look alike.
+GPU lanes show the kernels, the NCCL ones on their own stream. A small model such as the ConvNet fits in one
+bucket: there is nothing to overlap, and its default and one-bucket timelines look alike.
 """
 
 import contextlib
