@@ -5,6 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, also without `make setup`
 
+from harness import cores  # noqa: E402
 from tools import course, data  # noqa: E402
 
 COLLECTED: dict[str, bool] = {}  # every test this session collected, before -m/-k: node id -> needs a GPU
@@ -17,6 +18,8 @@ def pytest_collection_modifyitems(config, items):
     gpus = course.gpu_count()
     needs = {"cuda": 1, "multigpu": 2}
     for item in items:
+        if item.path.suffix == ".ipynb":  # with pytest-xdist (--dist loadgroup) a notebook's cells stay together
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
         for marker, count in needs.items():
             if marker in item.keywords and gpus < count:
                 item.add_marker(pytest.mark.skip(reason=f"needs {count} usable CUDA GPU(s); this machine has {gpus}"))
@@ -29,3 +32,14 @@ def data_dir(tmp_path_factory):
     data.prepare("mnist-standin", root, quiet=True)
     data.prepare("cifar10-standin", root, family="cifar10", quiet=True)
     return root
+
+
+@pytest.fixture(autouse=True)
+def _share_the_cores(request):
+    """Tests that start processes share the cores with the other pytest worker, if any (harness.cores)."""
+    alone = request.node.get_closest_marker("ranks") is not None
+    if not (alone or request.node.get_closest_marker("slow")):
+        yield
+        return
+    with cores(alone):
+        yield

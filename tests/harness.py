@@ -8,10 +8,13 @@ pytest-timeout, an assertion) kills the tagged processes first, and only those.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -191,3 +194,17 @@ def check_trace(trace_dir, world_size: int, epochs: int, checks=("shards", "orde
     wrong = [str(verdicts[name]) for name in checks if verdicts[name].verdict != "ok"]
     assert not wrong, "\n".join(wrong)
     return verdicts
+
+
+@contextlib.contextmanager
+def cores(alone: bool):
+    """With 2 pytest workers (make test), at most about 4 training processes at once on a 2-core machine: a test
+    that starts processes holds a shared lock while it runs; one that starts 3 or more (marked ranks(n), or a
+    notebook) holds it alone. Without pytest-xdist it does nothing."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        yield
+        return
+    with open(Path(tempfile.gettempdir()) / f"course-cores-{run}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)  # released when the file closes
+        yield

@@ -38,6 +38,7 @@ def test_distributed_sampler_covers_pads_and_reshuffles_only_with_set_epoch():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [3])  # 3: every claim of the script at a world size other than 2
+@pytest.mark.ranks(3)
 def test_ddp_averages_gradients(nproc):
     res = make("ddp-equivalence", f"NPROC={nproc}", timeout=120)
     m = re.search(r"plain_diff=(\S+) bn_whole_diff=(\S+) bn_shard_diff=(\S+) gradients_averaged=True", res.stdout)

@@ -26,6 +26,7 @@ def test_headline_torchrun_run(data_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ranks(3)
 def test_three_processes_count_every_test_image_once(data_dir, tmp_path):
     res = make("ddp-torchrun", "NPROC=3", "EPOCHS=1",
                f"ARGS=--max-steps 30 --checkpoint-dir {tmp_path / 'ck'} " + STANDIN.format(data_dir),

@@ -16,6 +16,7 @@ SHORT = "--dataset mnist-standin --data-dir {} --epochs 1 --max-steps 20 --timeo
 
 
 @pytest.mark.slow
+@pytest.mark.ranks(4)
 def test_two_nodes_by_hand_over_tcp(data_dir, tmp_path):
     res = make("multinode-tcp", "NNODES=2", "NPROC=2", "ARGS=" + SHORT.format(data_dir),
                env=traced(tmp_path / "trace"), timeout=240)
@@ -71,6 +72,7 @@ def test_on_one_machine_rank_and_world_size_are_enough(data_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rdzv, nproc", [pytest.param("static", 1, id="static"), pytest.param("c10d", 2, id="c10d")])
+@pytest.mark.ranks(4)
 def test_two_torchrun_agents(rdzv, nproc, data_dir):
     """Two agents on this machine as two nodes; static with one worker each (the machine has 2 cores), c10d with 2."""
     res = make("multinode-torchrun", f"RDZV={rdzv}", "NNODES=2", f"NPROC={nproc}", "ARGS=" + SHORT.format(data_dir),
@@ -91,7 +93,7 @@ def test_a_missing_node_fails_in_seconds_not_minutes(rdzv, data_dir):
     conf = "timeout=5" if rdzv == "static" else "join_timeout=5"
     assert re.search(rf"^node 0: .* --rdzv-conf {conf} ", res.stdout, re.M), res.tail()
     if rdzv == "static":  # the master's store says how long it waited: 5 s (and a second of polling), not 30
-        assert re.search(r"Timed out after [56] seconds waiting for clients\. 1/2 clients joined", res.stderr), \
+        assert re.search(r"Timed out after ([5-9]|1\d) seconds waiting for clients\. 1/2 clients joined", res.stderr), \
             res.tail()
     else:  # c10d names no time: the agent gave up on the rendezvous
         assert "RendezvousTimeoutError" in res.stderr, res.tail()
@@ -106,7 +108,8 @@ def test_a_missing_rank_fails_every_started_process_with_a_clear_message(data_di
         f"--rank {r} --timeout 5 {SHORT.format(data_dir).replace('--timeout 60', '')} & p{r}=$!; " for r in (0, 1))
         + "wait $p0; a=$?; wait $p1; b=$?; echo exits $a $b"], timeout=60)
     assert "exits 1 1" in out.stdout, out.tail()
-    assert re.search(r"Timed out after [56] seconds waiting for clients. 2/3 clients joined", out.stderr), out.tail()
+    assert re.search(r"Timed out after ([5-9]|1\d) seconds waiting for clients. 2/3 clients joined", out.stderr), \
+        out.tail()
 
 
 def test_port_taken_and_bad_file_paths_get_clear_errors(tmp_path):
@@ -237,6 +240,7 @@ def test_slurm_script_builds_the_torchrun_command_and_runs(tmp_path, data_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.ranks(3)
 def test_one_command_per_machine_with_machines_of_2_and_1_processes():
     out = make("multinode-spawn", "PROCS=2,1", timeout=180).stdout
     # one command per "machine", each spawning its own processes, with the notes' rank arithmetic

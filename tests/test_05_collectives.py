@@ -28,6 +28,7 @@ def check_collectives(out: str, nproc: int, backend: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [3, 4])  # an odd and an even world size
+@pytest.mark.ranks(4)
 def test_every_collective_gives_its_closed_form_result(nproc):
     out = make("collectives", f"NPROC={nproc}", timeout=120).stdout
     check_collectives(out, nproc, course.choose_device(procs_per_node=nproc)[1])
@@ -44,6 +45,7 @@ def test_every_collective_on_nccl():
 
 
 @pytest.mark.slow
+@pytest.mark.ranks(3)
 def test_point_to_point_and_the_ring():
     out = make("p2p", "NPROC=3", timeout=120).stdout
     assert re.search(r"rank 1: \[1\.0\]\s+-> \[100\.0\]", out), out
@@ -51,6 +53,7 @@ def test_point_to_point_and_the_ring():
 
 
 @pytest.mark.slow
+@pytest.mark.ranks(3)
 def test_exact_evaluation_vs_the_padded_count(data_dir):
     n, ws = 10, 3
     out = make("ddp-eval", f"NPROC={ws}", f"ARGS=--subset {n} --data-dir {data_dir}", timeout=120).stdout

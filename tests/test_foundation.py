@@ -300,7 +300,8 @@ def test_gpu_tests_are_marked_and_skipped_where_there_is_no_gpu():
                  for p in (REPO / "tests").glob("test_*.py"))
     res = subprocess.run([PYTHON, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "cuda or multigpu",
                           "tests"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                         env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
+                              "CUDA_VISIBLE_DEVICES": ""})
     summary = res.stdout.strip().splitlines()[-1]
     assert re.match(rf"^{marked} skipped, \d+ deselected in ", summary), res.stdout[-2000:]
     reasons = re.findall(r"^SKIPPED \[(\d+)\] \S+: needs ([12]) usable CUDA GPU\(s\); this machine has 0$", res.stdout,
