@@ -71,14 +71,28 @@ def test_on_one_machine_rank_and_world_size_are_enough(data_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rdzv, nproc", [pytest.param("static", 1, id="static"), pytest.param("c10d", 2, id="c10d")])
-@pytest.mark.ranks(4)
+@pytest.mark.parametrize("rdzv, nproc", [pytest.param("static", 1, id="static"), pytest.param("c10d", 1, id="c10d")])
 def test_two_torchrun_agents(rdzv, nproc, data_dir):
-    """Two agents on this machine as two nodes; static with one worker each (the machine has 2 cores), c10d with 2."""
+    """Two agents on this machine as two nodes, one worker each (the machine has 2 cores)."""
     res = make("multinode-torchrun", f"RDZV={rdzv}", "NNODES=2", f"NPROC={nproc}", "ARGS=" + SHORT.format(data_dir),
                timeout=240)
     assert res.stdout.count("-m torch.distributed.run --nnodes 2") == 2
     assert res.final["world_size"] == 2 * nproc and res.final["test_samples"] == 4000
+
+
+@pytest.mark.slow
+@pytest.mark.ranks(3)
+def test_uneven_torchrun_nodes_of_2_and_1_processes(data_dir):
+    """Two torchrun agents as two machines of 2 and 1 GPUs: c10d rendezvous, world size 2 + 1."""
+    port = str(common.free_port())
+    agents = "".join(
+        f"{PYTHON} -m torch.distributed.run --nnodes 2 --nproc-per-node {n} --rdzv-backend c10d "
+        f"--rdzv-endpoint 127.0.0.1:{port} --rdzv-id uneven-{port} --rdzv-conf join_timeout=60 --local-addr 127.0.0.1 "
+        f"03_ddp_torchrun/mnist_torchrun.py {SHORT.format(data_dir)} --device cpu & p{n}=$!; " for n in (2, 1))
+    out = run(["bash", "-c", agents + "wait $p2; a=$?; wait $p1; b=$?; echo exits $a $b"], timeout=240)
+    assert "exits 0 0" in out.stdout, out.tail()
+    assert re.search(r"^3 processes, [12] on this node, on cpu with gloo$", out.stdout, re.M), out.tail()
+    assert out.final["world_size"] == 3 and out.final["test_samples"] == 4000
 
 
 @pytest.mark.slow
