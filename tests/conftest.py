@@ -5,21 +5,19 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, also without `make setup`
 
+import harness  # noqa: E402
 from harness import cores  # noqa: E402
 from tools import course, data  # noqa: E402
-
-COLLECTED: dict[str, bool] = {}  # every test this session collected, before -m/-k: node id -> needs a GPU
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m and -k deselect anything
 def pytest_collection_modifyitems(config, items):
     """`cuda` tests need one usable GPU, `multigpu` tests two; elsewhere they are skipped, with the reason."""
-    COLLECTED.update({item.nodeid: any(item.get_closest_marker(m) for m in ("cuda", "multigpu")) for item in items})
+    harness.COLLECTED.update({item.nodeid: any(item.get_closest_marker(m) for m in ("cuda", "multigpu"))
+                              for item in items})
     gpus = course.gpu_count()
     needs = {"cuda": 1, "multigpu": 2}
     for item in items:
-        if item.path.suffix == ".ipynb":  # with pytest-xdist (--dist loadgroup) a notebook's cells stay together
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
         for marker, count in needs.items():
             if marker in item.keywords and gpus < count:
                 item.add_marker(pytest.mark.skip(reason=f"needs {count} usable CUDA GPU(s); this machine has {gpus}"))

@@ -23,6 +23,7 @@ from pathlib import Path
 from tools import course
 
 REPO = Path(__file__).resolve().parents[1]
+COLLECTED: dict[str, bool] = {}  # every test this session collected, before -m/-k: node id -> needs a GPU (conftest)
 PYTHON = sys.executable
 # --local-addr: as the make targets do, so that no test depends on this machine's host name resolving
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--local-addr", "127.0.0.1"]
@@ -199,8 +200,8 @@ def check_trace(trace_dir, world_size: int, epochs: int, checks=("shards", "orde
 @contextlib.contextmanager
 def cores(alone: bool):
     """With 2 pytest workers (make test), at most about 4 training processes at once on a 2-core machine: a test
-    that starts processes holds a shared lock while it runs; one that starts 3 or more (marked ranks(n), or a
-    notebook) holds it alone. Without pytest-xdist it does nothing."""
+    that starts processes holds a shared lock while it runs; one that starts 3 or more (marked ranks(n)) holds it
+    alone. Without pytest-xdist it does nothing."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not run:
         yield

@@ -128,6 +128,7 @@ def test_backend_matrix_measures_the_gloo_cpu_marks(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ranks(4)  # each case's broken and fixed runs side by side, with 5 s collective timeouts
 def test_error_gallery_makes_each_error_and_its_fix_runs():
     out = make("errors", timeout=300).stdout
     sections = dict(re.findall(r"^--- (\S+): (.*)$", out, re.M))

@@ -67,11 +67,11 @@ def collected() -> dict[str, bool]:
 
     What this session collected when it holds every test file (make test), else a collection of its own.
     """
-    import conftest
+    import harness
 
     files = {f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py")}
-    if files <= {node.split("::")[0] for node in conftest.COLLECTED}:
-        return dict(conftest.COLLECTED)
+    if files <= {node.split("::")[0] for node in harness.COLLECTED}:
+        return dict(harness.COLLECTED)
     out = subprocess.run([sys.executable, "-c", COLLECT], cwd=REPO, capture_output=True, text=True, timeout=120).stdout
     rows = [line[len("COLLECTED "):].rsplit(" ", 1) for line in out.splitlines() if line.startswith("COLLECTED ")]
     return {node: gpu == "True" for node, gpu in rows}
