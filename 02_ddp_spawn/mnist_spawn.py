@@ -15,6 +15,7 @@ Next step: 03_ddp_torchrun/mnist_torchrun.py lets torchrun start the processes i
 """
 
 import argparse
+import gc
 import os
 import time
 from datetime import timedelta
@@ -113,6 +114,7 @@ def main_worker(rank, world_size, args):
             print(f"{world_size} processes on {device.type} with {backend}")
         train(args, device, rank, world_size)
     finally:
+        gc.collect()  # DDP: a DDP model lives in reference cycles; free it before its group, or exit can abort
         dist.destroy_process_group()  # DDP: leave the group, also after an error
 
 

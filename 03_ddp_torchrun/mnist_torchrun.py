@@ -17,6 +17,7 @@ Next steps: 04_multinode_tcp/mnist_tcp.py starts every process by hand with a tc
 """
 
 import argparse
+import gc
 import os
 import time
 from datetime import timedelta
@@ -115,6 +116,7 @@ def main():
             print(f"{world_size} processes, {local_world_size} on this node, on {device.type} with {backend}")
         train(args, device, rank, world_size)
     finally:
+        gc.collect()  # DDP: a DDP model lives in reference cycles; free it before its group, or exit can abort
         dist.destroy_process_group()  # DDP: leave the group, also after an error
 
 

@@ -19,6 +19,7 @@ The source notes' spellings work too: --init_method, --world_size, -r, -g/--gpui
 """
 
 import argparse
+import gc
 import os
 import time
 from datetime import timedelta
@@ -119,6 +120,7 @@ def main():
         print(f"rank {rank} (local rank {local_rank}) of {args.world_size} joined via {args.init_method}", flush=True)
         train(args, device, rank, args.world_size)
     finally:
+        gc.collect()  # DDP: a DDP model lives in reference cycles; free it before its group, or exit can abort
         dist.destroy_process_group()  # DDP: leave the group, also after an error
 
 

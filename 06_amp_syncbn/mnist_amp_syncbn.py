@@ -10,6 +10,7 @@ syncbn_by_hand.py, which computes the same statistics. Copy that file along if y
 """
 
 import argparse
+import gc
 import os
 import time
 from datetime import timedelta
@@ -133,6 +134,7 @@ def main():
             print(f"{world_size} processes on {device.type} with {backend}, amp {args.amp}, sync-bn {args.sync_bn}")
         train(args, device, rank, world_size)
     finally:
+        gc.collect()  # DDP: a DDP model lives in reference cycles; free it before its group, or exit can abort
         dist.destroy_process_group()  # DDP: leave the group, also after an error
 
 

@@ -88,6 +88,11 @@ def test_two_ranks_of_b_equal_one_process_of_2b_through_the_real_scripts(data_di
 @pytest.mark.slow
 def test_gradient_accumulation_with_no_sync():
     out = make("grad-accum", "NPROC=2", "ARGS=--accum-steps 4", timeout=120).stdout
+    # the hook counted the all-reduces; the gradients, against one backward over the whole global batch
+    rows = re.findall(r"^  with(out)? no_sync: +(\d+) all-reduce\(s\), max \|grad difference\| (\S+)$", out, re.M)
+    counted = {without: (int(calls), float(diff)) for without, calls, diff in rows}
+    assert counted[""][0] == 1 and counted["out"][0] == 4, out  # no_sync: one all-reduce for 4 micro-batches
+    assert counted[""][1] < 1e-6 and counted["out"][1] < 1e-6, out  # both equal the big batch's gradient
     assert "result: calls_no_sync=1 calls_every_step=4 equal=True" in out
 
 
