@@ -75,8 +75,10 @@ def main():
         d1, d2 = (with_no_sync - big).abs().max().item(), (every_step - big).abs().max().item()
         course.print0(rank, f"{ws} ranks x {args.accum_steps} micro-batches of {args.micro_batch} "
                             f"vs one batch of {ws * per_rank}:")
-        course.print0(rank, f"  with no_sync:    {calls_no_sync} all-reduce(s), max |grad difference| {d1:.2e}")
-        course.print0(rank, f"  without no_sync: {calls_every} all-reduce(s), max |grad difference| {d2:.2e}")
+        course.print0(rank, f"  with no_sync:    {calls_no_sync} all-reduce(s), max |grad difference| {d1:.2e}, "
+                            f"gradient norm {with_no_sync.norm():.7f}")
+        course.print0(rank, f"  without no_sync: {calls_every} all-reduce(s), max |grad difference| {d2:.2e}, "
+                            f"gradient norm {every_step.norm():.7f}")
         course.print0(rank, f"result: calls_no_sync={calls_no_sync} calls_every_step={calls_every} "
                             f"equal={d1 < 1e-6 and d2 < 1e-6}")
         dist.barrier()  # every rank finishes its work before any tears the group down
