@@ -125,7 +125,8 @@ def main():
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the worst rank: each must hold the global statistics
             return diffs, worst.item()
 
-        diffs, worst = differences(AllReduceBatchNorm2d(3).to(device))  # this rank, its slice only
+        by_hand = AllReduceBatchNorm2d(3).to(device)
+        diffs, worst = differences(by_hand)  # this rank, its slice only
         local = nn.BatchNorm2d(3).to(device)(x_all[mine])  # plain BatchNorm on the slice, for contrast
         plain = torch.tensor([(local - y_ref[mine]).abs().max().item()], device=device)
         dist.all_reduce(plain, op=dist.ReduceOp.MAX)
@@ -134,6 +135,8 @@ def main():
         for key, value in diffs.items():
             course.print0(rank, f"  {key:<13} max |difference| on rank 0: {value:.2e}")
         course.print0(rank, f"  plain BatchNorm2d on one rank's slice differs by {plain.item():.2e}")
+        course.print0(rank, "  rank 0's running statistics: mean " + " ".join(f"{v:.7f}" for v in by_hand.running_mean)
+                      + ", var " + " ".join(f"{v:.7f}" for v in by_hand.running_var))
         result = f"result: max_diff={worst:.3e} plain_diff={plain.item():.3e}"
         ok = worst < 1e-5
         if device.type == "cuda":  # PyTorch's own, which trains on GPUs only

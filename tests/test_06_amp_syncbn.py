@@ -23,6 +23,15 @@ def test_all_reduce_batchnorm_equals_batchnorm_on_the_global_batch(nproc):
     assert float(m.group(2)) > 0.1, "while plain BatchNorm on one rank's slice does not"
     for key in ("output", "input_grad", "running_mean", "running_var"):
         assert key in out
+    # the statistics of nn.BatchNorm2d over the whole global batch, computed here from the script's seed
+    g = torch.Generator().manual_seed(0)
+    whole = torch.nn.BatchNorm2d(3)
+    whole(torch.randn(nproc * 4, 3, 5, 5, generator=g) * 2 + 1)  # 4 samples per rank (the default)
+    m = re.search(r"^  rank 0's running statistics: mean (.+), var (.+)$", out, re.M)
+    assert m, out
+    printed = [torch.tensor([float(v) for v in part.split()]) for part in m.groups()]
+    assert torch.allclose(printed[0], whole.running_mean, atol=2e-7), (printed[0], whole.running_mean)
+    assert torch.allclose(printed[1], whole.running_var, atol=2e-7), (printed[1], whole.running_var)
 
 
 @pytest.mark.slow
