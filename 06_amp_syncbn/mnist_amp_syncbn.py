@@ -39,13 +39,11 @@ def train(args, device, rank, world_size):
     test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=1000)
 
     model = common.ConvNet().to(device)
-    if args.sync_bn:  # SyncBN: convert BEFORE the DDP wrap, the documented order
-        if device.type == "cuda":
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        else:  # nn.SyncBatchNorm trains on GPUs only; the same statistics with one all_reduce, by hand
-            from syncbn_by_hand import convert_batchnorm
-
-            model = convert_batchnorm(model)
+    if args.sync_bn and device.type == "cuda":  # SyncBN: convert BEFORE the DDP wrap, the documented order
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif args.sync_bn:  # SyncBN: nn.SyncBatchNorm trains on GPUs only; the same statistics by hand, one all_reduce
+        from syncbn_by_hand import convert_batchnorm
+        model = convert_batchnorm(model)
     # DDP: copies rank 0's weights to every rank now, then averages the gradients in every backward()
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
