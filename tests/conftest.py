@@ -6,7 +6,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, also without `make setup`
 
 import harness  # noqa: E402
-from harness import cores  # noqa: E402
 from tools import course, data  # noqa: E402
 
 
@@ -39,5 +38,5 @@ def _share_the_cores(request):
     if not (alone or request.node.get_closest_marker("slow")):
         yield
         return
-    with cores(alone):
+    with harness.cores(alone):
         yield
