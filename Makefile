@@ -298,8 +298,7 @@ NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize
 
 test: $(STAMP) ## lint, then everything that runs on CPU: unit, multi-process and notebook tests (CI runs this)
 	$(PY) -m ruff check .
-	$(PYTEST) $$($(PY) -c 'import xdist' 2>/dev/null && echo "-n 2") tests
-	$(PYTEST) notebooks $(NBVAL)
+	$(PYTEST) $$($(PY) -c 'import xdist' 2>/dev/null && echo "-n 2") tests notebooks $(NBVAL)
 
 test-fast: $(STAMP) ## the quick subset for the edit loop (no slow multi-process runs, no notebooks)
 	$(PYTEST) tests -m "not slow"
