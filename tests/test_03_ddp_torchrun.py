@@ -144,12 +144,19 @@ def test_one_process_prepares_the_data_while_the_others_wait(tmp_path):
     assert res.final["world_size"] == 2 and res.final["test_samples"] == 4000
 
 
-@pytest.mark.slow
-def test_old_underscore_spelling_parses_without_launcher(data_dir):
-    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(common.free_port())}
-    res = run([PYTHON, REPO / "03_ddp_torchrun/mnist_torchrun.py", "--local_rank", "0",
-               *STANDIN.format(data_dir).split(), "--epochs", "1", "--max-steps", "3"], env=env, timeout=120)
-    assert res.final["world_size"] == 1
+def test_old_underscore_spelling_parses_without_launcher(data_dir, monkeypatch):
+    """`--local_rank 0`, as the old launcher passed it, is one of the script's own argparse spellings."""
+    import argparse
+    import sys
+
+    from tools import preflight
+
+    monkeypatch.setattr(argparse.ArgumentParser, "error", argparse.ArgumentParser.error)  # the parse sets these:
+    monkeypatch.setattr(sys, "argv", sys.argv)  # monkeypatch puts them back afterwards
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    _, args = preflight.parse_script_args(REPO / "03_ddp_torchrun/mnist_torchrun.py",
+                                       ["--local_rank", "0", *STANDIN.format(data_dir).split()])
+    assert args.local_rank == 0 and args.dataset == "mnist-standin"
 
 
 @pytest.mark.slow
