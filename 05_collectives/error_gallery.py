@@ -354,6 +354,8 @@ def main() -> int:
     unknown = sorted(set(names) - set(CASES))
     if unknown or not names:
         parser.error(f"--cases: unknown {unknown or 'none given'}; choose from {', '.join(CASES)}")
+    import torch._dynamo  # noqa: F401 - a DDP wrap imports it (about a second): once here, not in every forked rank
+
     rows, failed = [], []
     for name in names:
         _, message, cause, fix = CASES[name]
