@@ -1,3 +1,5 @@
+import fcntl
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +16,8 @@ def pytest_collection_modifyitems(config, items):
     """`cuda` tests need one usable GPU, `multigpu` tests two; elsewhere they are skipped, with the reason."""
     harness.COLLECTED.update({item.nodeid: any(item.get_closest_marker(m) for m in ("cuda", "multigpu"))
                               for item in items})
+    # the launches first and the quick in-process tests last: with 2 workers, the short ones fill the end
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None and item.path.suffix != ".ipynb")
     gpus = course.gpu_count()
     needs = {"cuda": 1, "multigpu": 2}
     for item in items:
@@ -24,10 +28,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
-    """A data folder with both offline stand-ins, made once per test session."""
-    root = tmp_path_factory.mktemp("data")
-    data.prepare("mnist-standin", root, quiet=True)
-    data.prepare("cifar10-standin", root, family="cifar10", quiet=True)
+    """A data folder with both offline stand-ins, made once per test run."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # made once for all workers of this run
+    root = shared / "data"
+    with open(shared / "data.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker writes, the others wait and find it complete
+        data.prepare("mnist-standin", root, quiet=True)
+        data.prepare("cifar10-standin", root, family="cifar10", quiet=True)
     return root
 
 
