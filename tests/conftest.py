@@ -16,8 +16,6 @@ def pytest_collection_modifyitems(config, items):
     """`cuda` tests need one usable GPU, `multigpu` tests two; elsewhere they are skipped, with the reason."""
     harness.COLLECTED.update({item.nodeid: any(item.get_closest_marker(m) for m in ("cuda", "multigpu"))
                               for item in items})
-    # the launches first and the quick in-process tests last: with 2 workers, the short ones fill the end
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None and item.path.suffix != ".ipynb")
     gpus = course.gpu_count()
     needs = {"cuda": 1, "multigpu": 2}
     for item in items:
