@@ -38,7 +38,8 @@ show("02_ddp_spawn/mnist_spawn.py", "main_worker", marked="DDP:")
 # Each rank feeds different random data through `DDP(ToyModel)` for one step; afterwards all ranks hold exactly the
 # same weights, because the gradients were averaged.
 
-# %% tags=["nbval-ignore-output"]
+# %% tags=["nbval-skip"]
+# (the tests run this demo themselves: tests/test_02_ddp_spawn.py; nbval skips it to save time)
 out = run("python 02_ddp_spawn/ddp_basics.py basic --nproc 2")
 assert "all 2 ranks hold the same weights: True" in out
 

@@ -80,6 +80,7 @@ show("05_collectives/ddp_from_scratch.py", "train")
 # A padded `DistributedSampler` counts some test images twice; strided shards and one `reduce` give exactly the
 # single-process numbers.
 
-# %% tags=["nbval-ignore-output"]
+# %% tags=["nbval-skip"]
+# (the tests run this proof themselves: tests/test_05_collectives.py; nbval skips it to save time)
 out = run("make --no-print-directory ddp-eval NPROC=3 ARGS='--subset 10'")
 assert "padded_count=12 exact_count=10 exact_equals_single=True" in out
