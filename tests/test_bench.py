@@ -65,7 +65,6 @@ def well_formed(summary: dict, positive: bool = True) -> bool:
         and summary["min"] <= summary["median"] <= summary["max"] and (summary["min"] > 0 or not positive)
 
 
-@pytest.mark.slow
 def assert_rotated(per_round: list[dict], name: str) -> None:
     """The rounds as the JSON keeps them (in the order the variants ran): every variant once per round, round r
     starting with variant r, so no variant always runs first."""
@@ -84,6 +83,7 @@ def test_every_recorded_benchmark_ran_its_variants_in_a_rotating_order(record):
     assert_rotated(per_round, record)
 
 
+@pytest.mark.slow
 def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, data_dir):
     out = tmp_path / "results"
     result = make("bench-quick", f"BENCH_OUT={out}", f"BENCH_DATA={data_dir}", timeout=240)
