@@ -8,7 +8,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, also without `make setup`
 
 import harness  # noqa: E402
-from tools import course, data  # noqa: E402
+from harness import TEST_IMAGES  # noqa: E402
+from tools import course, data, standins  # noqa: E402
+from tools.standins import STANDIN_SIZES  # noqa: E402
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m and -k deselect anything
@@ -24,18 +26,38 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"needs {count} usable CUDA GPU(s); this machine has {gpus}"))
 
 
-@pytest.fixture(scope="session")
-def data_dir(tmp_path_factory):
-    """A data folder with both offline stand-ins, made once per test run."""
+def _made_once(tmp_path_factory, name: str, make) -> Path:
+    """A folder made by make(folder) once for the whole run: the first pytest worker writes, the others wait."""
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent  # made once for all workers of this run
-    root = shared / "data"
-    with open(shared / "data.lock", "a") as lock:
+    root = shared / name
+    with open(shared / f"{name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one worker writes, the others wait and find it complete
+        if not root.exists():
+            partial = shared / f"{name}.partial"  # complete or absent: a worker that fails midway leaves no half
+            make(partial)
+            partial.rename(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """The data folder of the training runs: both offline stand-ins with their whole training sets, and smaller
+    test sets (harness.TEST_IMAGES MNIST images): every run evaluates, and no claim needs 4,000 images to judge."""
+    def make(root):
+        standins.write_mnist_standin(root / data.STANDIN_SUBDIR, sizes=(STANDIN_SIZES["mnist"][0], TEST_IMAGES))
+        standins.write_cifar_standin(root / data.STANDIN_SUBDIR, sizes=(2000, 400))  # ResNet-18 runs a few steps
+    return _made_once(tmp_path_factory, "data", make)
+
+
+@pytest.fixture(scope="session")
+def standin_dir(tmp_path_factory):
+    """Both stand-ins exactly as a user's first run makes them (data.prepare), at their full sizes."""
+    def make(root):
         data.prepare("mnist-standin", root, quiet=True)
         data.prepare("cifar10-standin", root, family="cifar10", quiet=True)
-    return root
+    return _made_once(tmp_path_factory, "standin-data", make)
 
 
 @pytest.fixture(autouse=True)

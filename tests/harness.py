@@ -47,6 +47,7 @@ class Result:
 
 
 TAG = "COURSE_TEST_TAG"
+TEST_IMAGES = 1000  # the MNIST test set of the data_dir fixture (conftest): 1000 is not divisible by 3
 # every download goes to a proxy that is not there: offline, whether this machine has internet or not
 DEAD_PROXY = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9", "no_proxy": "",
               "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import common
-from harness import PYTHON, REPO, make, python, run
+from harness import PYTHON, REPO, TEST_IMAGES, make, python, run
 from tools import course
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the CPU path on any machine, GPUs or not
@@ -56,7 +56,7 @@ def test_dp_shapes_prints_the_split():
 def test_make_dataparallel_trains_and_saves_a_plain_state_dict(data_dir, tmp_path):
     res = make("dataparallel", "EPOCHS=1",
                f"ARGS=--dataset mnist-standin --data-dir {data_dir} --max-steps 60 --checkpoint-dir {tmp_path}")
-    assert res.final["test_samples"] == 4000 and res.final["world_size"] == 1
+    assert res.final["test_samples"] == TEST_IMAGES and res.final["world_size"] == 1
     assert res.final["test_acc"] > 0.5
     gpus = course.gpu_count()
     assert f"split {gpus} ways" in res.stdout if gpus > 1 else "nothing is split" in res.stdout

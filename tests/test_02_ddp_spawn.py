@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from harness import PYTHON, REPO, check_trace, make, python, run, traced
+from harness import PYTHON, REPO, TEST_IMAGES, check_trace, make, python, run, traced
 from tools import course
 
 # ------------------------------------------------------------------ DistributedSampler, in-process
@@ -97,7 +97,7 @@ def test_headline_spawn_run_reaches_97_percent_with_disjoint_shards_and_equal_we
     res = make("ddp-spawn", "NPROC=2", f"ARGS=--dataset mnist-standin --data-dir {data_dir}",
                env=traced(tmp_path / "trace"), timeout=240)
     final = res.final
-    assert final["world_size"] == 2 and final["test_samples"] == 4000 and final["epochs"] == 2
+    assert final["world_size"] == 2 and final["test_samples"] == TEST_IMAGES and final["epochs"] == 2
     assert final["test_acc"] >= 0.97, res.tail()
     check_trace(tmp_path / "trace", world_size=2, epochs=2)  # disjoint shards, new orders, equal replicas, ...
     assert "leaked semaphore" not in res.stderr

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import common
-from harness import PYTHON, REPO, TAG, TORCHRUN, check_trace, kill_tagged, make, run, traced, wait_gone
+from harness import PYTHON, REPO, TAG, TEST_IMAGES, TORCHRUN, check_trace, kill_tagged, make, run, traced, wait_gone
 from tools import course
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
@@ -19,7 +19,7 @@ def test_headline_torchrun_run(data_dir, tmp_path):
     res = make("ddp-torchrun", "NPROC=2", "ARGS=" + STANDIN.format(data_dir), env=traced(tmp_path / "trace"),
                timeout=240)
     final = res.final
-    assert final["world_size"] == 2 and final["test_samples"] == 4000
+    assert final["world_size"] == 2 and final["test_samples"] == TEST_IMAGES
     check_trace(tmp_path / "trace", world_size=2, epochs=2)  # disjoint shards, new orders, equal replicas, ...
     # one process alone reaches about 96 % on the same number of steps; synchronised DDP about 98 %
     assert final["test_acc"] >= 0.97, res.tail()
@@ -27,9 +27,10 @@ def test_headline_torchrun_run(data_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ranks(3)
-def test_three_processes_count_every_test_image_once(data_dir, tmp_path):
+def test_three_processes_count_every_test_image_once(standin_dir, tmp_path):
+    """On the stand-in as a user has it (4000 test images), as the README says."""
     res = make("ddp-torchrun", "NPROC=3", "EPOCHS=1",
-               f"ARGS=--max-steps 30 --checkpoint-dir {tmp_path / 'ck'} " + STANDIN.format(data_dir),
+               f"ARGS=--max-steps 30 --checkpoint-dir {tmp_path / 'ck'} " + STANDIN.format(standin_dir),
                env=traced(tmp_path / "trace"), timeout=240)
     assert res.final["world_size"] == 3
     assert res.final["test_samples"] == 4000, "4000 is not divisible by 3: no sample may be counted twice"
@@ -37,7 +38,7 @@ def test_three_processes_count_every_test_image_once(data_dir, tmp_path):
     # the distributed accuracy equals a plain single-process evaluation of the saved checkpoint
     model = common.ConvNet()
     model.load_state_dict(torch.load(tmp_path / "ck" / "mnist_torchrun.pt", weights_only=True)["model"])
-    test_set = common.load_dataset("mnist-standin", data_dir, train=False)
+    test_set = common.load_dataset("mnist-standin", standin_dir, train=False)
     correct, samples, _ = common.evaluate(model, course.batch_loader(test_set, 1000), "cpu").tolist()
     assert samples == 4000 and round(correct / samples, 4) == res.final["test_acc"]
 
@@ -141,7 +142,7 @@ def test_one_process_prepares_the_data_while_the_others_wait(tmp_path):
                "--dataset", "mnist-standin", "--data-dir", tmp_path / "fresh", "--epochs", "1", "--max-steps", "2"],
               timeout=180)
     assert len(re.findall(r"^generated the mnist-standin in ", res.output, re.M)) == 1, res.tail()
-    assert res.final["world_size"] == 2 and res.final["test_samples"] == 4000
+    assert res.final["world_size"] == 2 and res.final["test_samples"] == TEST_IMAGES
 
 
 def test_old_underscore_spelling_parses_without_launcher(data_dir, monkeypatch):
@@ -167,7 +168,7 @@ def test_the_references_exported_variables_start_two_processes_by_hand(data_dir)
     script = f"{PYTHON} 03_ddp_torchrun/mnist_torchrun.py {STANDIN.format(data_dir)} --epochs 1 --max-steps 3"
     res = run(["bash", "-c", f"unset LOCAL_RANK LOCAL_WORLD_SIZE; export MASTER_ADDR=127.0.0.1 MASTER_PORT={port} "
                f"WORLD_SIZE=2 OMP_NUM_THREADS=1; RANK=1 {script} & RANK=0 {script}; wait"], timeout=120)
-    assert res.final["world_size"] == 2 and res.final["test_samples"] == 4000, res.tail()
+    assert res.final["world_size"] == 2 and res.final["test_samples"] == TEST_IMAGES, res.tail()
 
 
 def test_running_without_torchrun_names_the_missing_variable():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import common
-from harness import PYTHON, REPO, check_trace, exits, make, python, run, traced
+from harness import PYTHON, REPO, TEST_IMAGES, check_trace, exits, make, python, run, traced
 
 SHORT = "--dataset mnist-standin --data-dir {} --epochs 1 --max-steps 20 --timeout 60"
 
@@ -24,7 +24,7 @@ def test_two_nodes_by_hand_over_tcp(data_dir, tmp_path):
     for rank, local in ((0, 0), (1, 1), (2, 0), (3, 1)):
         assert f"rank {rank} (local rank {local}) of 4 joined via tcp://" in res.stdout
     assert "--node-rank 1 --local-rank 1" in res.stdout, "each process's command is printed"
-    assert res.final["world_size"] == 4 and res.final["test_samples"] == 4000
+    assert res.final["world_size"] == 4 and res.final["test_samples"] == TEST_IMAGES
 
 
 @pytest.mark.slow
@@ -34,7 +34,7 @@ def test_two_simulated_nodes_get_a_gpu_each(data_dir):
     res = make("multinode-tcp", "NNODES=2", "NPROC=1", "ARGS=" + SHORT.format(data_dir), timeout=240)
     assert "CUDA_VISIBLE_DEVICES=0 " in res.stdout and "CUDA_VISIBLE_DEVICES=1 " in res.stdout
     assert "this run: 1 process(es) per node on cuda with nccl" in res.stdout
-    assert res.final["world_size"] == 2 and res.final["test_samples"] == 4000
+    assert res.final["world_size"] == 2 and res.final["test_samples"] == TEST_IMAGES
 
 
 def test_simulated_nodes_split_the_gpus_or_fall_back_to_the_cpu():
@@ -54,7 +54,7 @@ def test_simulated_nodes_split_the_gpus_or_fall_back_to_the_cpu():
 def test_two_nodes_through_a_fresh_file(data_dir):
     res = make("multinode-file", "NNODES=2", "NPROC=1", "ARGS=" + SHORT.format(data_dir), timeout=240)
     assert "rank 1 (local rank 0) of 2 joined via file://" in res.stdout
-    assert res.final["world_size"] == 2 and res.final["test_samples"] == 4000
+    assert res.final["world_size"] == 2 and res.final["test_samples"] == TEST_IMAGES
 
 
 @pytest.mark.slow
@@ -67,7 +67,7 @@ def test_on_one_machine_rank_and_world_size_are_enough(data_dir):
         + "wait $p0; a=$?; wait $p1; b=$?; echo exits $a $b"], timeout=180)
     assert "exits 0 0" in out.stdout, out.tail()
     assert "rank 1 (local rank 1) of 2 joined via tcp://" in out.stdout, out.tail()
-    assert out.final["world_size"] == 2 and out.final["test_samples"] == 4000
+    assert out.final["world_size"] == 2 and out.final["test_samples"] == TEST_IMAGES
 
 
 @pytest.mark.slow
@@ -77,7 +77,7 @@ def test_two_torchrun_agents(rdzv, nproc, data_dir):
     res = make("multinode-torchrun", f"RDZV={rdzv}", "NNODES=2", f"NPROC={nproc}", "ARGS=" + SHORT.format(data_dir),
                timeout=240)
     assert res.stdout.count("-m torch.distributed.run --nnodes 2") == 2
-    assert res.final["world_size"] == 2 * nproc and res.final["test_samples"] == 4000
+    assert res.final["world_size"] == 2 * nproc and res.final["test_samples"] == TEST_IMAGES
 
 
 @pytest.mark.slow
@@ -92,7 +92,7 @@ def test_uneven_torchrun_nodes_of_2_and_1_processes(data_dir):
     out = run(["bash", "-c", agents + "wait $p2; a=$?; wait $p1; b=$?; echo exits $a $b"], timeout=240)
     assert "exits 0 0" in out.stdout, out.tail()
     assert re.search(r"^3 processes, [12] on this node, on cpu with gloo$", out.stdout, re.M), out.tail()
-    assert out.final["world_size"] == 3 and out.final["test_samples"] == 4000
+    assert out.final["world_size"] == 3 and out.final["test_samples"] == TEST_IMAGES
 
 
 @pytest.mark.slow
@@ -196,7 +196,7 @@ def test_two_real_hosts_in_network_namespaces(data_dir):
     hosts = re.findall(r"host (\d): namespace (ddp\d-\d+), interface (\S+), address (\S+)", res.stdout)
     assert len(hosts) == 2 and hosts[0][3] != hosts[1][3]
     assert f"--init-method tcp://{hosts[0][3]}:29500" in res.stdout
-    assert res.final["world_size"] == 2 and res.final["test_samples"] == 4000
+    assert res.final["world_size"] == 2 and res.final["test_samples"] == TEST_IMAGES
     tag = hosts[0][1].split("-")[1]
     assert not _our_namespaces(tag), "the namespaces must be removed afterwards"
 

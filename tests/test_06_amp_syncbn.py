@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import common
-from harness import PYTHON, REPO, TORCHRUN, check_trace, make, run, traced
+from harness import PYTHON, REPO, TEST_IMAGES, TORCHRUN, check_trace, make, run, traced
 from tools import course
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
@@ -50,7 +50,7 @@ def test_bf16_with_sync_bn_converges_like_fp32(data_dir, tmp_path):
     synced = "SyncBatchNorm" if course.choose_device(procs_per_node=2)[0].type == "cuda" else "AllReduceBatchNorm2d"
     for rank, events in tracecheck.load(tmp_path / "trace").items():  # what the DDP wrap really got, per rank
         assert [e["norms"] for e in events if e["ev"] == "ddp"] == [[synced]], (rank, synced)
-    assert bf16.final["test_samples"] == 4000
+    assert bf16.final["test_samples"] == TEST_IMAGES
     assert fp32.final["test_acc"] > 0.94
     assert abs(bf16.final["test_acc"] - fp32.final["test_acc"]) < 0.01
 

@@ -21,10 +21,10 @@ from tools import course, data, standins
 # ------------------------------------------------------------------ stand-ins through torchvision's own classes
 
 
-def test_mnist_standin_reads_through_torchvision_mnist(data_dir):
+def test_mnist_standin_reads_through_torchvision_mnist(standin_dir):
     n_train, n_test = standins.STANDIN_SIZES["mnist"]
     for train, n in ((True, n_train), (False, n_test)):
-        ds = torchvision.datasets.MNIST(str(data_dir / data.STANDIN_SUBDIR), train=train)
+        ds = torchvision.datasets.MNIST(str(standin_dir / data.STANDIN_SUBDIR), train=train)
         assert len(ds) == n
         assert ds.data.shape == (n, 28, 28) and ds.data.dtype == torch.uint8
         assert sorted(ds.targets.unique().tolist()) == list(range(10))
@@ -42,11 +42,11 @@ class CIFAR10StandIn(torchvision.datasets.CIFAR10):
     meta = {"filename": "batches.meta", "key": "label_names", "md5": None}
 
 
-def test_cifar_standin_reads_through_torchvision_cifar10(data_dir):
+def test_cifar_standin_reads_through_torchvision_cifar10(standin_dir):
     cls = CIFAR10StandIn
     n_train, n_test = standins.STANDIN_SIZES["cifar10"]
     for train, n in ((True, n_train), (False, n_test)):
-        ds = cls(str(data_dir / data.STANDIN_SUBDIR), train=train)
+        ds = cls(str(standin_dir / data.STANDIN_SUBDIR), train=train)
         assert len(ds) == n and ds.data.shape == (n, 32, 32, 3)
         assert sorted(set(ds.targets)) == list(range(10))
         assert ds.classes == standins.CIFAR_CLASSES
@@ -55,11 +55,11 @@ def test_cifar_standin_reads_through_torchvision_cifar10(data_dir):
 
 
 @pytest.mark.parametrize("dataset", ["mnist-standin", "cifar10-standin"])
-def test_the_course_reads_the_files_exactly_as_torchvision_does(data_dir, dataset):
+def test_the_course_reads_the_files_exactly_as_torchvision_does(standin_dir, dataset):
     """common.load_dataset reads the IDX files and pickled batches itself; torchvision's classes must agree."""
-    root = str(data_dir / data.STANDIN_SUBDIR)
+    root = str(standin_dir / data.STANDIN_SUBDIR)
     for train in (True, False):
-        ours = common.load_dataset(dataset, data_dir, train=train)
+        ours = common.load_dataset(dataset, standin_dir, train=train)
         if dataset == "mnist-standin":
             theirs = torchvision.datasets.MNIST(root, train=train)
             pixels = theirs.data.float().div(255).sub(common.MNIST_MEAN).div(common.MNIST_STD).unsqueeze(1)
@@ -93,13 +93,13 @@ def test_mnist_standin_is_not_trivial():
     assert spread > 20, f"images of one class are nearly identical (mean abs deviation {spread:.1f})"
 
 
-def test_load_dataset_gives_normalised_tensors(data_dir):
-    train = common.load_dataset("mnist-standin", data_dir, train=True)
+def test_load_dataset_gives_normalised_tensors(standin_dir):
+    train = common.load_dataset("mnist-standin", standin_dir, train=True)
     x, y = train.tensors
     assert x.shape == (standins.STANDIN_SIZES["mnist"][0], 1, 28, 28) and x.dtype == torch.float32
     assert y.dtype == torch.long
     assert -0.5 < x.mean() < 0.5 and 0.5 < x.std() < 1.5
-    test = common.load_dataset("cifar10-standin", data_dir, train=False)
+    test = common.load_dataset("cifar10-standin", standin_dir, train=False)
     assert test.tensors[0].shape == (standins.STANDIN_SIZES["cifar10"][1], 3, 32, 32)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import common
-from harness import DEAD_PROXY, PYTHON, REPO, TORCHRUN, exits, make, python, run
+from harness import DEAD_PROXY, PYTHON, REPO, TEST_IMAGES, TORCHRUN, exits, make, python, run
 from tools import tracecheck
 
 
@@ -21,7 +21,7 @@ def test_make_smoke_trains_the_baseline(data_dir):
     res = make("smoke", f"ARGS=--data-dir {data_dir} --max-steps 120", timeout=300)  # a third of the epoch
     final = res.final
     assert final["world_size"] == 1 and final["epochs"] == 1 and final["dataset"] == "mnist-standin"
-    assert final["test_samples"] == 4000
+    assert final["test_samples"] == TEST_IMAGES
     assert 0.9 < final["test_acc"] < 1.0, "120 steps should learn the stand-in well, but not perfectly"
 
 
