@@ -14,6 +14,7 @@ On CPUs with Gloo the compression often costs more than it saves: the network is
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from datetime import timedelta
@@ -56,14 +57,19 @@ def attach(model: DDP, hook: str) -> None:
         model.register_comm_hook(state, powersgd.powerSGD_hook)
 
 
+@functools.cache  # read once, shared by the four hooks: training does not change a data set
+def dataset(name: str, data_dir: str, train: bool):
+    return common.load_dataset(name, data_dir, train=train)
+
+
 def train(model_name: str, hook: str, cfg: dict, rank: int, ws: int, device: torch.device) -> dict:
     common.seed_everything(0)
     if model_name == "convnet":
-        train_set = common.load_dataset("mnist-standin", cfg["data_dir"], train=True)
-        test_set = common.load_dataset("mnist-standin", cfg["data_dir"], train=False)
+        train_set = dataset("mnist-standin", cfg["data_dir"], train=True)
+        test_set = dataset("mnist-standin", cfg["data_dir"], train=False)
         net, batch, steps = common.ConvNet(), 64, cfg["convnet_steps"]
     else:
-        train_set = common.load_dataset("cifar10-standin", cfg["data_dir"], train=True)
+        train_set = dataset("cifar10-standin", cfg["data_dir"], train=True)
         test_set = None
         net, batch, steps = common.resnet18_cifar(), 16, cfg["resnet_steps"]
     sampler = DistributedSampler(train_set, num_replicas=ws, rank=rank, seed=0)
