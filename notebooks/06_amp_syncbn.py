@@ -91,6 +91,6 @@ print(f"{'SyncBatchNorm (all 8)':<24}{batch.mean():>8.3f}{batch.var(unbiased=Fal
 # %%
 show("06_amp_syncbn/syncbn_by_hand.py", "AllReduceBatchNorm2d")
 
-# %% tags=["nbval-ignore-output"]
+# %% tags=["nbval-skip"]
 out = run("make --no-print-directory syncbn-proof NPROC=2")
 assert "equal=True" in out
