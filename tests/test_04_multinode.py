@@ -58,19 +58,6 @@ def test_two_nodes_through_a_fresh_file(data_dir):
 
 
 @pytest.mark.slow
-def test_on_one_machine_rank_and_world_size_are_enough(data_dir):
-    """Kai Zhang's TCP mode without -g or --nproc-per-node: every process on this machine, local rank = rank."""
-    port = str(common.free_port())
-    out = run(["bash", "-c", "".join(
-        f"{PYTHON} 04_multinode_tcp/mnist_tcp.py --init-method tcp://127.0.0.1:{port} --world-size 2 "
-        f"--rank {r} {SHORT.format(data_dir)} & p{r}=$!; " for r in (0, 1))
-        + "wait $p0; a=$?; wait $p1; b=$?; echo exits $a $b"], timeout=180)
-    assert "exits 0 0" in out.stdout, out.tail()
-    assert "rank 1 (local rank 1) of 2 joined via tcp://" in out.stdout, out.tail()
-    assert out.final["world_size"] == 2 and out.final["test_samples"] == TEST_IMAGES
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("rdzv, nproc", [pytest.param("static", 1, id="static"), pytest.param("c10d", 1, id="c10d")])
 def test_two_torchrun_agents(rdzv, nproc, data_dir):
     """Two agents on this machine as two nodes, one worker each (the machine has 2 cores)."""

@@ -83,13 +83,16 @@ def test_a_copied_chain_script_trains_another_dataset_and_model_in_an_empty_fold
         assert res.final["test_acc"] > 0.7 and "common.py from the copy" in res.stdout, res.tail()
         verdicts = {c.name: c.verdict for c in tracecheck.judge(project / "trace")}
         assert verdicts["shards"] == verdicts["order"] == verdicts["ddp"] == verdicts["eval"] == "ok", verdicts
-    port = common.free_port()  # the tcp step: two processes started by hand
+    # the tcp step: two processes started by hand, with Kai Zhang's rank and world size alone (on one machine
+    # that is enough: local rank = rank)
+    port = common.free_port()
     project = tmp_path / "mnist_tcp"
     copied = copy_into_a_project("04_multinode_tcp/mnist_tcp.py", project)
     procs = [[PYTHON, copied, "--init-method", f"tcp://127.0.0.1:{port}", "--world-size", "2", "--rank", str(r),
               "--epochs", "2", "--timeout", "30"] for r in range(2)]
-    res = run(["bash", "-c", f"{shlex.join(map(str, procs[1]))} & {shlex.join(map(str, procs[0]))}; wait"],
-              cwd=project, timeout=180)
+    res = run(["bash", "-c", f"{shlex.join(map(str, procs[1]))} & p1=$!; {shlex.join(map(str, procs[0]))}; a=$?; "
+               "wait $p1; echo exits $a $?"], cwd=project, timeout=180)
+    assert "exits 0 0" in res.stdout and "rank 1 (local rank 1) of 2 joined via tcp://" in res.stdout, res.tail()
     assert res.final["test_samples"] == 128 and res.final["world_size"] == 2, res.tail()
 
 
