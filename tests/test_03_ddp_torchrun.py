@@ -79,6 +79,7 @@ def test_without_restarts_a_failure_ends_the_job_promptly_with_the_traceback(dat
 
 
 @pytest.mark.slow
+@pytest.mark.ranks(4)  # two jobs of 2 workers each
 def test_two_standalone_jobs_at_once_do_not_collide():
     """`torchrun --standalone` picks a free port: two init checks started together both succeed."""
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "03_ddp_torchrun/init_check.py"]

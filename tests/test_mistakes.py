@@ -67,6 +67,7 @@ def test_a_checkpoint_that_is_not_this_scripts_is_one_line_and_left_as_it_is(tmp
     assert f"{foreign} is damaged or not a checkpoint" in one_line(res.stderr)
 
 
+@pytest.mark.slow
 def test_an_existing_checkpoint_is_continued_never_overwritten(data_dir, tmp_path):
     args = [*STANDIN.format(data_dir).split(), "--max-steps", "5", "--checkpoint-dir", tmp_path]
     python("01_dataparallel/mnist_single.py", *args, "--epochs", "2", timeout=120)
