@@ -10,7 +10,6 @@ import torch
 import common
 from harness import PYTHON, REPO, TAG, TEST_IMAGES, TORCHRUN, check_trace, kill_tagged, make, run, traced, wait_gone
 from tools import course
-from tools.standins import STANDIN_SIZES
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
 
@@ -81,12 +80,14 @@ def test_without_restarts_a_failure_ends_the_job_promptly_with_the_traceback(dat
 @pytest.mark.slow
 @pytest.mark.ranks(4)  # two jobs of 2 workers each
 def test_two_standalone_jobs_at_once_do_not_collide():
-    """`torchrun --standalone` picks a free port: two init checks started together both succeed."""
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "03_ddp_torchrun/init_check.py"]
+    """`torchrun --standalone` picks a free port: an init check and the minimal elastic DDP program (`make
+    ddp-minimal`), started together, both succeed."""
+    cmds = [[*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "03_ddp_torchrun/init_check.py"],
+            ["make", "--no-print-directory", "ddp-minimal", "NPROC=2"]]
     tags = [f"collide-{os.getpid()}-{i}" for i in range(2)]
     procs = [subprocess.Popen([str(c) for c in cmd], cwd=REPO, env={**os.environ, "TQDM_DISABLE": "1", TAG: tag},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for tag in tags]
+             for cmd, tag in zip(cmds, tags, strict=True)]
     try:
         outputs = [p.communicate(timeout=120)[0] for p in procs]
         left = [pid for tag in tags for pid in wait_gone(tag, 10)]
@@ -94,18 +95,14 @@ def test_two_standalone_jobs_at_once_do_not_collide():
         for tag in tags:
             kill_tagged(tag)
     assert not left, f"processes left behind after both jobs ended: {left}"
-    backend = course.choose_device(procs_per_node=2)[1]  # nccl on a machine with 2 GPUs
     for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 0, out
-        assert "process group of 2 is OK: all_reduce of ones = 2" in out
-        assert len(re.findall(rf"\[pid \d+\] rank=\d local_rank=\d world_size=2 backend={backend}", out)) == 2
-
-
-@pytest.mark.slow
-def test_minimal_elastic_ddp_learns_the_line():
-    out = make("ddp-minimal", "NPROC=2", timeout=120).stdout
-    m = re.search(r"learned y = (\S+)x (\S+) ", out)
-    assert m, out
+    init, minimal = outputs
+    backend = course.choose_device(procs_per_node=2)[1]  # nccl on a machine with 2 GPUs
+    assert "process group of 2 is OK: all_reduce of ones = 2" in init
+    assert len(re.findall(rf"\[pid \d+\] rank=\d local_rank=\d world_size=2 backend={backend}", init)) == 2
+    m = re.search(r"learned y = (\S+)x (\S+) ", minimal)  # elastic_ddp.py learns y = 3x - 1
+    assert m, minimal
     weight, bias = float(m.group(1)), float(m.group(2))
     assert abs(weight - 3) < 0.05 and abs(bias + 1) < 0.05
 
@@ -136,15 +133,6 @@ def test_init_device_mesh_starts_the_default_group_itself_with_gloo_for_the_cpu(
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(common.free_port())}
     # no backend named: the CPU gets Gloo, which get_backend() does not say ("undefined"); the config does
     assert "group True 1 1 undefined cpu:gloo" in run([PYTHON, "-c", code], env=env, timeout=120).stdout
-
-
-@pytest.mark.slow
-def test_one_process_prepares_the_data_while_the_others_wait(tmp_path):
-    res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "03_ddp_torchrun/mnist_torchrun.py",
-               "--dataset", "mnist-standin", "--data-dir", tmp_path / "fresh", "--epochs", "1", "--max-steps", "2"],
-              timeout=180)
-    assert len(re.findall(r"^generated the mnist-standin in ", res.output, re.M)) == 1, res.tail()
-    assert res.final["world_size"] == 2 and res.final["test_samples"] == STANDIN_SIZES["mnist"][1]  # made whole
 
 
 def test_old_underscore_spelling_parses_without_launcher(data_dir, monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 
 import common
 from harness import PYTHON, REPO, TEST_IMAGES, check_trace, exits, make, python, run, traced
+from tools.standins import STANDIN_SIZES
 
 SHORT = "--dataset mnist-standin --data-dir {} --epochs 1 --max-steps 20 --timeout 60"
 
@@ -217,7 +218,9 @@ def port_is_free(port: int) -> bool:
 
 
 @pytest.mark.slow
-def test_slurm_script_builds_the_torchrun_command_and_runs(tmp_path, data_dir):
+def test_slurm_script_builds_the_torchrun_command_and_runs(tmp_path):
+    """The job script as a first job on a fresh node: no preflight, so local rank 0 prepares the data while the
+    other rank waits at a barrier, and it is generated once."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "scontrol").write_text("#!/bin/sh\necho localhost\necho othernode\n")
@@ -232,12 +235,14 @@ def test_slurm_script_builds_the_torchrun_command_and_runs(tmp_path, data_dir):
     env = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "localhost,othernode",
            "SLURM_JOB_ID": str(job), "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "2",
            "TORCHRUN": str(fake / "torchrun")}
-    res = run(["bash", REPO / "04_multinode_tcp/slurm_ddp.sbatch", *SHORT.format(data_dir).split()],
+    res = run(["bash", REPO / "04_multinode_tcp/slurm_ddp.sbatch", *SHORT.format(tmp_path / "fresh").split()],
               env=env, timeout=180)
     assert re.search(rf"on every node: \S*torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d "
                      rf"--rdzv-endpoint localhost:{20000 + job} --rdzv-id {job} --rdzv-conf join_timeout=300 "
                      rf"03_ddp_torchrun/mnist_torchrun.py", res.stdout), res.stdout
     assert res.final["world_size"] == 2
+    assert len(re.findall(r"^generated the mnist-standin in ", res.output, re.M)) == 1, res.tail()
+    assert res.final["test_samples"] == STANDIN_SIZES["mnist"][1]  # made whole, as a user's first run makes it
 
 
 @pytest.mark.slow
