@@ -27,8 +27,8 @@ def check_collectives(out: str, nproc: int, backend: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [3, 4])  # an odd and an even world size
-@pytest.mark.ranks(4)
+@pytest.mark.parametrize("nproc", [3])  # an odd world size; notebook 05 checks NPROC=4 the same way
+@pytest.mark.ranks(3)
 def test_every_collective_gives_its_closed_form_result(nproc):
     out = make("collectives", f"NPROC={nproc}", timeout=120).stdout
     check_collectives(out, nproc, course.choose_device(procs_per_node=nproc)[1])
