@@ -44,7 +44,8 @@ def _made_once(tmp_path_factory, name: str, make) -> Path:
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
     """The data folder of the training runs: both offline stand-ins with their whole training sets, and smaller
-    test sets (harness.TEST_IMAGES MNIST images): every run evaluates, and no claim needs 4,000 images to judge."""
+    test sets (harness.TEST_IMAGES MNIST images): every run evaluates, and a run whose claim is about the full
+    4,000 uses standin_dir instead."""
     def make(root):
         standins.write_mnist_standin(root / data.STANDIN_SUBDIR, sizes=(STANDIN_SIZES["mnist"][0], TEST_IMAGES))
         standins.write_cifar_standin(root / data.STANDIN_SUBDIR, sizes=(2000, 400))  # ResNet-18 runs a few steps
