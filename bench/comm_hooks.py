@@ -71,7 +71,7 @@ def train(model_name: str, hook: str, cfg: dict, rank: int, ws: int, device: tor
     else:
         train_set = dataset("cifar10-standin", cfg["data_dir"], train=True)
         test_set = None
-        net, batch, steps = common.resnet18_cifar(), 16, cfg["resnet_steps"]
+        net, batch, steps = common.resnet18_cifar(), cfg["resnet_batch"], cfg["resnet_steps"]
     sampler = DistributedSampler(train_set, num_replicas=ws, rank=rank, seed=0)
     loader = course.batch_loader(train_set, batch, sampler=sampler)
     model = DDP(net.to(device), device_ids=[device.index] if device.type == "cuda" else None)
@@ -126,7 +126,8 @@ def main(argv=None):
     try:
         ws = dist.get_world_size()
         cfg = {"data_dir": args.data_dir, "convnet_steps": 4 if args.quick else 10**9,
-               "resnet_steps": 2 if args.quick else 12, "world_size": ws, "threads": torch.get_num_threads()}
+               "resnet_steps": 2 if args.quick else 12,
+               "resnet_batch": 4 if args.quick else 16, "world_size": ws, "threads": torch.get_num_threads()}
         results = {}
         for model_name in ("convnet", "resnet18"):
             for hook in HOOKS:
@@ -152,9 +153,11 @@ def report(args, cfg, results, device, backend):
     payload = {"bench": "comm_hooks", "machine": machine, "config": cfg, "quick": args.quick, "results": results,
                "ratios": ratios}
     md = [f"# DDP comm hooks, {cfg['world_size']} processes ({device.type}, {backend})", "",
-          f"{machine['cpu']}, {machine['cores']} cores, torch {torch.__version__}. ConvNet: one epoch of the MNIST "
-          f"stand-in (batch 64 per process), then the test accuracy; ResNet-18: {cfg['resnet_steps']} steps of the "
-          f"CIFAR-10 stand-in (batch 16 per process). Last loss: the mean training loss of the last 4 steps (rank 0). "
+          f"{machine['cpu']}, {machine['cores']} cores, torch {torch.__version__}. ConvNet: "
+          f"{str(cfg['convnet_steps']) + ' steps' if args.quick else 'one epoch'} of the MNIST stand-in "
+          f"(batch 64 per process), then the test accuracy; ResNet-18: {cfg['resnet_steps']} steps of the CIFAR-10 "
+          f"stand-in (batch {cfg['resnet_batch']} per process). Last loss: the mean training loss of the last 4 steps "
+          f"(rank 0). "
           f"images/s: the median step, one run (a rough guide; bench-buckets measures in rounds).", ""]
     rows = []
     for key, r in results.items():
