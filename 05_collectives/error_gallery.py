@@ -9,7 +9,8 @@ torchrun gives its workers (RANK, WORLD_SIZE, MASTER_ADDR, ...; when one fails t
 process-group timeout of a few seconds. The broken variant must fail with the quoted message (or hang and be
 stopped by that timeout), and the fixed variant must succeed. One case (inplace-buffers) is an error of older
 torch that 2.14 no longer raises: there both variants must run. The driver checks all this and exits with 1 if
-any case does not behave so.
+any case does not behave so. Two cases run at a time (8 processes, 1 thread each): the timeout cases spend their
+seconds waiting; the report keeps the order of the cases.
 Started by torchrun with --case and --variant, the script runs one rank of that case, as the driver's workers do:
     torchrun --standalone --nproc-per-node 2 05_collectives/error_gallery.py --case uneven-inputs --variant broken
 """
@@ -277,7 +278,7 @@ class Launch:
         for rank in range(2):
             env = {"GALLERY_TMP": self.tmp.name, "TQDM_DISABLE": "1", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                   "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # 4 processes share the cores: 1 thread each
+                   "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # 8 processes share the cores: 1 thread each
             log = open(Path(self.tmp.name) / f"rank{rank}.log", "w+")
             self.logs.append(log)
             pid = os.fork()
@@ -331,13 +332,37 @@ class Launch:
         return self.code is not None
 
 
-def run_both(name: str) -> tuple[Launch, Launch]:
-    """The broken and the fixed variant of one case side by side (4 processes: the machine has 2 cores)."""
-    broken = Launch(name, "broken", common.free_port())
-    fixed = Launch(name, "fixed", common.free_port())
-    while not (broken.poll() & fixed.poll()):  # &, not and: poll both every time
-        time.sleep(0.05)
-    return broken, fixed
+def launch_both(name: str) -> tuple[Launch, Launch]:
+    """The broken and the fixed variant of one case side by side."""
+    return Launch(name, "broken", common.free_port()), Launch(name, "fixed", common.free_port())
+
+
+def report(name: str, broken: Launch, fixed: Launch) -> bool:
+    """Says what one case did; True when it behaved as described."""
+    message = CASES[name][1]
+    rc_b, out_b, sec_b = broken.code, broken.output, broken.seconds
+    rc_f, out_f, sec_f = fixed.code, fixed.output, fixed.seconds
+    if message is None:  # an error of older torch: in this one, both variants must run
+        quoted = "(none: runs in torch " + torch.__version__.split("+")[0] + ")"
+        ok = rc_b == 0 and rc_f == 0
+        course.say(f"--- {name}: broken {'RAN (an error of older torch)' if rc_b == 0 else 'FAILED'} "
+                   f"({sec_b:.0f} s), fixed {'ran' if rc_f == 0 else 'FAILED'} ({sec_f:.0f} s)")
+    else:
+        said = [ln.split(" ", 1)[1].strip() for ln in out_b.splitlines() if message in ln]
+        quoted = next((ln for ln in said if re.match(r"\w+(Error|Exception): ", ln)), said[0] if said else "")
+        ok = rc_b != 0 and bool(quoted) and rc_f == 0
+        course.say(f"--- {name}: broken "
+                   f"{'failed as it should' if rc_b and quoted else 'DID NOT FAIL AS EXPECTED'}"
+                   f" ({sec_b:.0f} s), fixed {'ran' if rc_f == 0 else 'FAILED'} ({sec_f:.0f} s)")
+    course.say(f"    message: {_shorten(quoted or '(not found)')}")
+    for line in (ln.split(" ", 1)[1] for ln in out_f.splitlines() if " " in ln):
+        if line.startswith(("fixed", "Join", "forward_sync", "every rank", "all_reduce", "the all_reduce",
+                            "rank 0 wrote", "uneven")):
+            course.say(f"    fixed:   {line}")
+    if not ok:
+        course.say("    broken run's output ends:\n" + "\n".join(out_b.splitlines()[-15:]) if not quoted else
+                   "    fixed run's output ends:\n" + "\n".join(out_f.splitlines()[-15:]))
+    return ok
 
 
 def main() -> int:
@@ -356,34 +381,22 @@ def main() -> int:
         parser.error(f"--cases: unknown {unknown or 'none given'}; choose from {', '.join(CASES)}")
     import torch._dynamo  # noqa: F401 - a DDP wrap imports it (about a second): once here, not in every forked rank
 
-    rows, failed = [], []
-    for name in names:
-        _, message, cause, fix = CASES[name]
-        broken, fixed = run_both(name)
-        rc_b, out_b, sec_b = broken.code, broken.output, broken.seconds
-        rc_f, out_f, sec_f = fixed.code, fixed.output, fixed.seconds
-        if message is None:  # an error of older torch: in this one, both variants must run
-            quoted = "(none: runs in torch " + torch.__version__.split("+")[0] + ")"
-            ok = rc_b == 0 and rc_f == 0
-            course.say(f"--- {name}: broken {'RAN (an error of older torch)' if rc_b == 0 else 'FAILED'} "
-                       f"({sec_b:.0f} s), fixed {'ran' if rc_f == 0 else 'FAILED'} ({sec_f:.0f} s)")
-        else:
-            said = [ln.split(" ", 1)[1].strip() for ln in out_b.splitlines() if message in ln]
-            quoted = next((ln for ln in said if re.match(r"\w+(Error|Exception): ", ln)), said[0] if said else "")
-            ok = rc_b != 0 and bool(quoted) and rc_f == 0
-            course.say(f"--- {name}: broken "
-                       f"{'failed as it should' if rc_b and quoted else 'DID NOT FAIL AS EXPECTED'}"
-                       f" ({sec_b:.0f} s), fixed {'ran' if rc_f == 0 else 'FAILED'} ({sec_f:.0f} s)")
-        course.say(f"    message: {_shorten(quoted or '(not found)')}")
-        for line in (ln.split(" ", 1)[1] for ln in out_f.splitlines() if " " in ln):
-            if line.startswith(("fixed", "Join", "forward_sync", "every rank", "all_reduce", "the all_reduce",
-                                "rank 0 wrote", "uneven")):
-                course.say(f"    fixed:   {line}")
-        if not ok:
-            failed.append(name)
-            course.say("    broken run's output ends:\n" + "\n".join(out_b.splitlines()[-15:]) if not quoted else
-                       "    fixed run's output ends:\n" + "\n".join(out_f.splitlines()[-15:]))
-        rows.append((name, message, cause, fix, sec_b, sec_f))
+    # two cases at a time: while a timeout case waits out its seconds, the quick ones run
+    waiting, running, finished, rows, failed = list(names), {}, {}, [], []
+    while waiting or running:
+        while waiting and len(running) < 2:
+            name = waiting.pop(0)
+            running[name] = launch_both(name)
+        for name, (broken, fixed) in list(running.items()):
+            if broken.poll() & fixed.poll():  # &, not and: poll both every time
+                finished[name] = running.pop(name)
+        while len(rows) < len(names) and names[len(rows)] in finished:
+            name = names[len(rows)]
+            broken, fixed = finished.pop(name)
+            if not report(name, broken, fixed):
+                failed.append(name)
+            rows.append((name, *CASES[name][1:], broken.seconds, fixed.seconds))
+        time.sleep(0.05)
     course.say("\n| error | message | cause | fix | seconds (broken, fixed) |\n|---|---|---|---|---|")
     for name, message, cause, fix, sec_b, sec_f in rows:
         shown = f"`{message}`" if message else f"(runs in torch {torch.__version__.split('+')[0]})"

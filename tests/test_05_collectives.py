@@ -100,6 +100,7 @@ def test_ddp_from_scratch_equals_ddp():
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_hang_demo_fails_fast_and_names_the_problem():
     # timeouts are 10 s (mismatch) and 5 s (monitored barrier): the 90 s bound is far below 2 x 30 min
     res = make("hang-demo", "NPROC=2", timeout=90)
@@ -128,7 +129,7 @@ def test_backend_matrix_measures_the_gloo_cpu_marks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ranks(4)  # each case's broken and fixed runs side by side, with 5 s collective timeouts
+@pytest.mark.ranks(4)  # two cases at a time, broken and fixed side by side: 8 light forked ranks, 5 s timeouts
 def test_error_gallery_makes_each_error_and_its_fix_runs():
     out = make("errors", timeout=300).stdout
     sections = dict(re.findall(r"^--- (\S+): (.*)$", out, re.M))
