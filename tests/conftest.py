@@ -15,7 +15,8 @@ from tools.standins import STANDIN_SIZES  # noqa: E402
 
 @pytest.hookimpl(tryfirst=True)  # before -m and -k deselect anything
 def pytest_collection_modifyitems(config, items):
-    """`cuda` tests need one usable GPU, `multigpu` tests two; elsewhere they are skipped, with the reason."""
+    """`cuda` tests need one usable GPU, `multigpu` tests two; elsewhere they are skipped, with the reason. The
+    tests that start processes run first."""
     harness.COLLECTED.update({item.nodeid: any(item.get_closest_marker(m) for m in ("cuda", "multigpu"))
                               for item in items})
     gpus = course.gpu_count()
@@ -24,6 +25,12 @@ def pytest_collection_modifyitems(config, items):
         for marker, count in needs.items():
             if marker in item.keywords and gpus < count:
                 item.add_marker(pytest.mark.skip(reason=f"needs {count} usable CUDA GPU(s); this machine has {gpus}"))
+    # the tests that start processes first, the quick in-process ones last: with 2 workers the quick ones fill
+    # the gaps at the end instead of one worker waiting for the other's last long run (a stable sort: the order
+    # within each group, and of a notebook's cells, stays)
+    items.sort(key=lambda item: not (item.get_closest_marker("slow") or item.path.suffix == ".ipynb"))
+    harness.STARTS_PROCESSES[:] = [bool(item.get_closest_marker("slow") or item.path.suffix == ".ipynb")
+                                   for item in items]
 
 
 def _made_once(tmp_path_factory, name: str, make) -> Path:
@@ -63,9 +70,10 @@ def standin_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _share_the_cores(request):
-    """Tests that start processes share the cores with the other pytest worker, if any (harness.cores)."""
+    """Tests that start processes share the cores with the other pytest worker, if any (harness.cores); a test
+    whose processes mostly wait on a timeout (marked waits) runs beside anything: it would only hold others up."""
     alone = request.node.get_closest_marker("ranks") is not None
-    if not (alone or request.node.get_closest_marker("slow")):
+    if request.node.get_closest_marker("waits") or not (alone or request.node.get_closest_marker("slow")):
         yield
         return
     with harness.cores(alone):

@@ -24,6 +24,7 @@ from tools import course
 
 REPO = Path(__file__).resolve().parents[1]
 COLLECTED: dict[str, bool] = {}  # every test this session collected, before -m/-k: node id -> needs a GPU (conftest)
+STARTS_PROCESSES: list[bool] = []  # the collected tests in the order they are handed out: starts processes or not
 PYTHON = sys.executable
 # --local-addr: as the make targets do, so that no test depends on this machine's host name resolving
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--local-addr", "127.0.0.1"]

@@ -85,6 +85,7 @@ def test_uneven_torchrun_nodes_of_2_and_1_processes(data_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
+@pytest.mark.waits
 def test_a_missing_node_fails_in_seconds_not_minutes(rdzv, data_dir):
     # torchrun's own join timeout is 600 s: the 90 s bound fails a launcher that passes none; the printed
     # command shows JOIN_TIMEOUT=5 reaching torchrun (the launcher's own default is 30)
@@ -102,6 +103,7 @@ def test_a_missing_node_fails_in_seconds_not_minutes(rdzv, data_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_a_missing_rank_fails_every_started_process_with_a_clear_message(data_dir):
     """World size 3, only ranks 0 and 1 started: both fail within the 5 s timeout, in PyTorch's own words."""
     port = str(common.free_port())
@@ -261,6 +263,7 @@ def test_one_command_per_machine_with_machines_of_2_and_1_processes():
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_the_cheat_sheets_world_size_16_says_its_plan_and_names_nproc_per_node_when_the_others_never_come():
     """`demo.py --world_size=16 --node_rank=0 --master_addr --master_port` meant two machines of 8; spawn_per_node
     plans 8 of 2 (its default of 2 per machine), says so at once, and when the others never come says what to give."""

@@ -53,6 +53,7 @@ def test_user_scripts_in_three_styles_get_the_right_verdicts(tmp_path, script, a
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_a_hanging_script_is_stopped_naming_the_waiting_rank_and_nothing_is_left(tmp_path):
     folder = tmp_path / "project"
     folder.mkdir()

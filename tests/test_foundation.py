@@ -296,6 +296,14 @@ def test_every_script_answers_help_with_a_whole_sentence_or_says_how_to_start_it
             assert isinstance(code, str) and code.startswith("error: torchrun starts this script"), (name, code)
 
 
+def test_the_tests_that_start_processes_come_first():
+    """conftest hands the tests out long ones first, so that the quick ones fill the end of a 2-worker run."""
+    from harness import STARTS_PROCESSES
+
+    assert True in STARTS_PROCESSES and False in STARTS_PROCESSES
+    assert STARTS_PROCESSES == sorted(STARTS_PROCESSES, reverse=True)
+
+
 def test_gpu_tests_are_marked_and_skipped_where_there_is_no_gpu():
     """Every test marked `cuda` or `multigpu` is skipped, with its reason, on a machine without a GPU (here: CUDA
     hidden), and none of them passes or fails there. The unmarked tests run on the CPU in every `make test`."""
