@@ -54,7 +54,7 @@ show("01_dataparallel/mnist_dataparallel.py", marked="DP:")
 # %% tags=["nbval-ignore-output"]
 from tools import course
 
-args = "--dataset mnist-standin --epochs 1 --max-steps 100 --log-every 25"
+args = "--dataset mnist-standin --epochs 1 --max-steps 40 --log-every 10"
 single = run(f"python 01_dataparallel/mnist_single.py {args}", quiet=True)
 dp = run(f"python 01_dataparallel/mnist_dataparallel.py {args}", quiet=True)
 print("baseline:    ", [s["loss"] for s in records(single, "step")])

@@ -16,13 +16,13 @@ STANDIN = "--dataset mnist-standin --data-dir {}"
 
 @pytest.mark.slow
 def test_headline_torchrun_run(data_dir, tmp_path):
-    res = make("ddp-torchrun", "NPROC=2", "ARGS=" + STANDIN.format(data_dir), env=traced(tmp_path / "trace"),
-               timeout=240)
+    # 60 of each epoch's 188 steps per rank (the whole two epochs, to 97 %, are the spawn headline's test)
+    res = make("ddp-torchrun", "NPROC=2", "ARGS=--max-steps 60 " + STANDIN.format(data_dir),
+               env=traced(tmp_path / "trace"), timeout=240)
     final = res.final
     assert final["world_size"] == 2 and final["test_samples"] == TEST_IMAGES
     check_trace(tmp_path / "trace", world_size=2, epochs=2)  # disjoint shards, new orders, equal replicas, ...
-    # one process alone reaches about 96 % on the same number of steps; synchronised DDP about 98 %
-    assert final["test_acc"] >= 0.97, res.tail()
+    assert final["test_acc"] >= 0.9, res.tail()
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 import ast
 import os
 import pickle
+import shutil
 import signal
 import socket
 import stat
@@ -11,7 +12,6 @@ import textwrap
 
 import pytest
 import torch
-import torchvision
 from torch.utils.data.distributed import DistributedSampler
 
 import common
@@ -21,10 +21,24 @@ from tools import course, data, standins
 # ------------------------------------------------------------------ stand-ins through torchvision's own classes
 
 
+def torchvision_classes():
+    """torchvision's MNIST, and its CIFAR10 pointed at the stand-in's files (no md5 check: they are generated).
+    Imported here, not at the top: torchvision costs each pytest worker that collects this file 2 s."""
+    import torchvision
+
+    class CIFAR10StandIn(torchvision.datasets.CIFAR10):
+        base_folder = data.CIFAR_STANDIN_FOLDER
+        train_list = [[f"data_batch_{i}", None] for i in range(1, 6)]
+        test_list = [["test_batch", None]]
+        meta = {"filename": "batches.meta", "key": "label_names", "md5": None}
+
+    return torchvision.datasets.MNIST, CIFAR10StandIn
+
+
 def test_mnist_standin_reads_through_torchvision_mnist(standin_dir):
     n_train, n_test = standins.STANDIN_SIZES["mnist"]
     for train, n in ((True, n_train), (False, n_test)):
-        ds = torchvision.datasets.MNIST(str(standin_dir / data.STANDIN_SUBDIR), train=train)
+        ds = torchvision_classes()[0](str(standin_dir / data.STANDIN_SUBDIR), train=train)
         assert len(ds) == n
         assert ds.data.shape == (n, 28, 28) and ds.data.dtype == torch.uint8
         assert sorted(ds.targets.unique().tolist()) == list(range(10))
@@ -34,16 +48,8 @@ def test_mnist_standin_reads_through_torchvision_mnist(standin_dir):
         assert image.size == (28, 28) and isinstance(label, int)
 
 
-class CIFAR10StandIn(torchvision.datasets.CIFAR10):
-    """torchvision's CIFAR10 class pointed at the stand-in's files (no md5 check: they are generated)."""
-    base_folder = data.CIFAR_STANDIN_FOLDER
-    train_list = [[f"data_batch_{i}", None] for i in range(1, 6)]
-    test_list = [["test_batch", None]]
-    meta = {"filename": "batches.meta", "key": "label_names", "md5": None}
-
-
 def test_cifar_standin_reads_through_torchvision_cifar10(standin_dir):
-    cls = CIFAR10StandIn
+    cls = torchvision_classes()[1]
     n_train, n_test = standins.STANDIN_SIZES["cifar10"]
     for train, n in ((True, n_train), (False, n_test)):
         ds = cls(str(standin_dir / data.STANDIN_SUBDIR), train=train)
@@ -61,11 +67,11 @@ def test_the_course_reads_the_files_exactly_as_torchvision_does(standin_dir, dat
     for train in (True, False):
         ours = common.load_dataset(dataset, standin_dir, train=train)
         if dataset == "mnist-standin":
-            theirs = torchvision.datasets.MNIST(root, train=train)
+            theirs = torchvision_classes()[0](root, train=train)
             pixels = theirs.data.float().div(255).sub(common.MNIST_MEAN).div(common.MNIST_STD).unsqueeze(1)
             labels = theirs.targets
         else:
-            theirs = CIFAR10StandIn(root, train=train)
+            theirs = torchvision_classes()[1](root, train=train)
             pixels = torch.from_numpy(theirs.data).permute(0, 3, 1, 2).float().div(255)
             pixels = (pixels - torch.tensor(common.CIFAR_MEAN).view(1, 3, 1, 1)) / \
                 torch.tensor(common.CIFAR_STD).view(1, 3, 1, 1)
@@ -522,8 +528,8 @@ def test_files_get_the_mode_the_umask_gives(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["deleted", "truncated"])
-def test_a_damaged_standin_is_written_again(tmp_path, damage, capsys):
-    common.prepare_data("mnist-standin", tmp_path)
+def test_a_damaged_standin_is_written_again(tmp_path, damage, capsys, standin_dir):
+    shutil.copytree(standin_dir, tmp_path, dirs_exist_ok=True)  # a complete stand-in, as data.prepare wrote it
     victim = tmp_path / data.STANDIN_SUBDIR / "MNIST" / "raw" / "t10k-images-idx3-ubyte"
     good = victim.read_bytes()
     if damage == "deleted":
