@@ -202,8 +202,8 @@ def check_trace(trace_dir, world_size: int, epochs: int, checks=("shards", "orde
 @contextlib.contextmanager
 def cores(alone: bool):
     """With 2 pytest workers (make test), at most about 4 training processes at once on a 2-core machine: a test
-    that starts processes holds a shared lock while it runs; one that starts 3 or more (marked ranks(n)) holds it
-    alone. Without pytest-xdist it does nothing."""
+    that starts processes holds a shared lock while it runs; one that starts 3 or more training processes (marked
+    ranks(n)) holds it alone. Without pytest-xdist it does nothing."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not run:
         yield

@@ -26,9 +26,8 @@ def check_collectives(out: str, nproc: int, backend: str):
     assert (len(checked), len(bitwise)) == ((21, 0) if backend == "gloo" else (18, 3)), checked
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 3 processes, none of them training: no ranks mark, they share the cores as 2 training ones do
 @pytest.mark.parametrize("nproc", [3])  # an odd world size; notebook 05 checks NPROC=4 the same way
-@pytest.mark.ranks(3)
 def test_every_collective_gives_its_closed_form_result(nproc):
     out = make("collectives", f"NPROC={nproc}", timeout=120).stdout
     check_collectives(out, nproc, course.choose_device(procs_per_node=nproc)[1])
@@ -44,8 +43,7 @@ def test_every_collective_on_nccl():
     check_collectives(out, 2, "nccl")
 
 
-@pytest.mark.slow
-@pytest.mark.ranks(3)
+@pytest.mark.slow  # 3 processes, none of them training: no ranks mark, they share the cores as 2 training ones do
 def test_point_to_point_and_the_ring():
     out = make("p2p", "NPROC=3", timeout=120).stdout
     assert re.search(r"rank 1: \[1\.0\]\s+-> \[100\.0\]", out), out
