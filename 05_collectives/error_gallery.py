@@ -9,8 +9,8 @@ torchrun gives its workers (RANK, WORLD_SIZE, MASTER_ADDR, ...; when one fails t
 process-group timeout of a few seconds. The broken variant must fail with the quoted message (or hang and be
 stopped by that timeout), and the fixed variant must succeed. One case (inplace-buffers) is an error of older
 torch that 2.14 no longer raises: there both variants must run. The driver checks all this and exits with 1 if
-any case does not behave so. Two cases run at a time (8 processes, 1 thread each): the timeout cases spend their
-seconds waiting; the report keeps the order of the cases.
+any case does not behave so. Four cases run at a time (16 light processes, 1 thread each): the timeout cases spend
+their seconds waiting; the report keeps the order of the cases.
 Started by torchrun with --case and --variant, the script runs one rank of that case, as the driver's workers do:
     torchrun --standalone --nproc-per-node 2 05_collectives/error_gallery.py --case uneven-inputs --variant broken
 """
@@ -37,6 +37,7 @@ import workarounds
 from tools import course
 
 TIMEOUT = 5.0  # seconds any collective may wait in these demos
+GRACE = 3.0  # seconds a rank may still take to fail by itself after its peer failed
 
 
 # --------------------------------------------------------------------------- the cases (run by each rank)
@@ -131,6 +132,7 @@ def after_destroy(rank, variant):
     """A collective after destroy_process_group, such as a last metric all-reduced in a `finally`."""
     x = torch.ones(1)
     if variant == "broken":
+        dist.barrier()  # every rank connected first: a group destroyed at once can fail a slower rank's init
         dist.destroy_process_group()
     dist.all_reduce(x)
     course.print0(rank, f"the all_reduce came before destroy_process_group: {x.item():g}")
@@ -191,13 +193,15 @@ def eval_through_wrapper(rank, variant):
     course.print0(rank, f"uneven evaluation batches (3 and 1) through the wrapper: fine; metrics {total.item():g}")
 
 
-CASES = {  # name: (function, the message of the broken variant (None: it runs in this torch), cause, fix)
+# Gloo's timeout in the words of whichever rank notices it first; the other rank then sees its peer gone
+GLOO_TIMEOUT = ("Timed out waiting", "Application timeout caused pair closure")
+CASES = {  # name: (function, the message(s) of the broken variant (None: it runs in this torch), cause, fix)
     "unused-parameters": (unused_parameters,
                           "Expected to have finished reduction in the prior iteration before starting a new one",
                           "a parameter that gets no gradient in an iteration (an unused branch, a frozen head)",
                           "fix the model, or find_unused_parameters=True (a graph walk every step), or "
                           "static_graph=True (when the same parameters are unused every time)"),
-    "uneven-inputs": (uneven_inputs, "Timed out waiting",
+    "uneven-inputs": (uneven_inputs, GLOO_TIMEOUT,
                       "one rank has more batches: its extra backward all-reduces with nobody, until the timeout",
                       "the same number of batches on every rank (DistributedSampler pads), or "
                       "torch.distributed.algorithms.Join"),
@@ -222,7 +226,7 @@ CASES = {  # name: (function, the message of the broken variant (None: it runs i
     "racing-checkpoint": (racing_checkpoint, "torn checkpoint",
                           "every rank writes the same file at once: the pieces interleave into a torn file",
                           "rank 0 writes (through a temp file and a rename), a barrier, then everyone reads"),
-    "eval-through-wrapper": (eval_through_wrapper, "Timed out waiting",
+    "eval-through-wrapper": (eval_through_wrapper, GLOO_TIMEOUT,
                              "a rank with no evaluation batch skips the buffer broadcast that the first no_grad "
                              "forward through DDP makes; the others' broadcast waits for it",
                              "evaluate through model.module (no hidden collective); uneven but non-empty "
@@ -278,7 +282,7 @@ class Launch:
         for rank in range(2):
             env = {"GALLERY_TMP": self.tmp.name, "TQDM_DISABLE": "1", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                   "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # 8 processes share the cores: 1 thread each
+                   "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # 16 processes share the cores: 1 thread each
             log = open(Path(self.tmp.name) / f"rank{rank}.log", "w+")
             self.logs.append(log)
             pid = os.fork()
@@ -302,10 +306,12 @@ class Launch:
                     os._exit(code)
             self.procs.append(pid)
         self.codes = [None, None]
-        self.code = None
+        self.code, self.failed_at = None, None
 
     def poll(self) -> bool:
-        """True once finished. Like torchrun: when one process fails, the other is stopped."""
+        """True once finished. When one process fails, the other has a few seconds to end by itself (it mostly
+        fails too, and may be the one that says why: its peer's error can be just "Connection closed by peer"),
+        then it is stopped."""
         if self.code is not None:
             return True
         for i, pid in enumerate(self.procs):
@@ -314,8 +320,11 @@ class Launch:
                 if done:
                     self.codes[i] = os.waitstatus_to_exitcode(status)
         failed = [c for c in self.codes if c not in (None, 0)]
-        late = time.time() > self.deadline
-        if failed or late or all(c == 0 for c in self.codes):
+        now = time.time()
+        if failed and self.failed_at is None:
+            self.failed_at = now
+        late = now > self.deadline
+        if None not in self.codes or late or (failed and now > self.failed_at + GRACE):
             for i, pid in enumerate(self.procs):
                 if self.codes[i] is None:
                     os.killpg(pid, 9)
@@ -330,6 +339,10 @@ class Launch:
                 log.close()
             self.tmp.cleanup()
         return self.code is not None
+
+
+def wordings(message: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (message,) if isinstance(message, str) else message
 
 
 def launch_both(name: str) -> tuple[Launch, Launch]:
@@ -348,7 +361,8 @@ def report(name: str, broken: Launch, fixed: Launch) -> bool:
         course.say(f"--- {name}: broken {'RAN (an error of older torch)' if rc_b == 0 else 'FAILED'} "
                    f"({sec_b:.0f} s), fixed {'ran' if rc_f == 0 else 'FAILED'} ({sec_f:.0f} s)")
     else:
-        said = [ln.split(" ", 1)[1].strip() for ln in out_b.splitlines() if message in ln]
+        said = [ln.split(" ", 1)[1].strip() for ln in out_b.splitlines()
+                if any(m in ln for m in wordings(message))]
         quoted = next((ln for ln in said if re.match(r"\w+(Error|Exception): ", ln)), said[0] if said else "")
         ok = rc_b != 0 and bool(quoted) and rc_f == 0
         course.say(f"--- {name}: broken "
@@ -381,10 +395,10 @@ def main() -> int:
         parser.error(f"--cases: unknown {unknown or 'none given'}; choose from {', '.join(CASES)}")
     import torch._dynamo  # noqa: F401 - a DDP wrap imports it (about a second): once here, not in every forked rank
 
-    # two cases at a time: while a timeout case waits out its seconds, the quick ones run
+    # four cases at a time: while a timeout case waits out its seconds, the quick ones run
     waiting, running, finished, rows, failed = list(names), {}, {}, [], []
     while waiting or running:
-        while waiting and len(running) < 2:
+        while waiting and len(running) < 4:
             name = waiting.pop(0)
             running[name] = launch_both(name)
         for name, (broken, fixed) in list(running.items()):
@@ -399,7 +413,8 @@ def main() -> int:
         time.sleep(0.05)
     course.say("\n| error | message | cause | fix | seconds (broken, fixed) |\n|---|---|---|---|---|")
     for name, message, cause, fix, sec_b, sec_f in rows:
-        shown = f"`{message}`" if message else f"(runs in torch {torch.__version__.split('+')[0]})"
+        shown = (" or ".join(f"`{m}`" for m in wordings(message)) if message
+                 else f"(runs in torch {torch.__version__.split('+')[0]})")
         course.say(f"| {name} | {shown} | {cause} | {fix} | {sec_b:.0f}, {sec_f:.0f} |")
     for message, cause, where in ELSEWHERE:
         course.say(f"| (elsewhere) | `{message}` | {cause} | see {where} | - |")

@@ -127,7 +127,7 @@ def test_backend_matrix_measures_the_gloo_cpu_marks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ranks(4)  # two cases at a time, broken and fixed side by side: 8 light forked ranks, 5 s timeouts
+@pytest.mark.ranks(4)  # four cases at a time, broken and fixed side by side: 16 light forked ranks, 5 s timeouts
 def test_error_gallery_makes_each_error_and_its_fix_runs():
     out = make("errors", timeout=300).stdout
     sections = dict(re.findall(r"^--- (\S+): (.*)$", out, re.M))
