@@ -19,7 +19,7 @@ REPO = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common.py").ex
 PYTHON = sys.executable
 sys.path.insert(0, str(REPO))
 
-from tools import course  # noqa: E402
+from tools.lines import parse_lines  # noqa: E402 - without torch: the kernel imports it only if a cell needs it
 
 
 def run(cmd, timeout: float = 600, quiet: bool = False, env: dict | None = None, trace=None) -> str:
@@ -45,16 +45,16 @@ def run(cmd, timeout: float = 600, quiet: bool = False, env: dict | None = None,
 
 def final(output: str) -> dict:
     """The `final:` summary line of a run, as a dict (numbers converted)."""
-    return course.parse_lines(output, "final")[-1]
+    return parse_lines(output, "final")[-1]
 
 
 def records(output: str, kind: str) -> list[dict]:
     """Every `kind: key=value ...` line of a run (kind: step, final), as dicts. kind "epoch" reads the
     `epoch E/N: key=value ...` lines, with E as "epoch"."""
     if kind == "epoch":
-        return [{"epoch": int(m[1]), **course.parse_lines(f"epoch: {m[2]}", "epoch")[0]}
+        return [{"epoch": int(m[1]), **parse_lines(f"epoch: {m[2]}", "epoch")[0]}
                 for m in re.finditer(r"^epoch (\d+)/\d+: (.*)$", output, re.MULTILINE)]
-    return course.parse_lines(output, kind)
+    return parse_lines(output, kind)
 
 
 def show(script: str, *names: str, marked: str = "") -> None:

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 import common
 from common import CIFAR_DATASETS, MNIST_DATASETS, free_port  # noqa: F401 - re-exported for the demos
+from tools.lines import parse_lines  # noqa: F401 - course.parse_lines, as the tests and tools call it
 
 # --------------------------------------------------------------------------- command line
 
@@ -501,22 +502,6 @@ def line(kind: str, **fields) -> str:
     Notebooks and tests read these lines with parse_lines; people read them too.
     """
     return f"{kind}: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
-
-
-def parse_lines(text: str, kind: str) -> list[dict]:
-    """Every `kind: key=value ...` line of `text`, as a dict each; plain decimal numbers become int or float."""
-    rows = []
-    for ln in text.splitlines():
-        if ln.startswith(f"{kind}: "):
-            pairs = (pair.partition("=") for pair in ln[len(kind) + 2:].split())
-            rows.append({key: _number_or_text(value) for key, _, value in pairs})
-    return rows
-
-
-def _number_or_text(value: str):
-    if re.fullmatch(r"-?\d+", value):
-        return int(value)
-    return float(value) if re.fullmatch(r"-?\d+\.\d*|nan|-?inf", value) else value
 
 
 @torch.no_grad()  # no graph: evaluation keeps no activations for a backward that never comes
