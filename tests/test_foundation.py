@@ -309,8 +309,8 @@ def test_gpu_tests_are_marked_and_skipped_where_there_is_no_gpu():
     hidden), and none of them passes or fails there. The unmarked tests run on the CPU in every `make test`."""
     marked = sum(len(re.findall(r"^@pytest\.mark\.(?:cuda|multigpu)$", p.read_text(), re.M))
                  for p in (REPO / "tests").glob("test_*.py"))
-    res = subprocess.run([PYTHON, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "cuda or multigpu",
-                          "tests"], cwd=REPO, capture_output=True, text=True, timeout=120,
+    res = subprocess.run([PYTHON, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:nbval", "-m",
+                          "cuda or multigpu", "tests"], cwd=REPO, capture_output=True, text=True, timeout=120,
                          env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
                               "CUDA_VISIBLE_DEVICES": ""})
     summary = res.stdout.strip().splitlines()[-1]
