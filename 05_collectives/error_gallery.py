@@ -5,12 +5,12 @@
     make errors
 
 Each case runs twice, broken and fixed side by side, each as 2 processes on the CPU (Gloo) with the environment
-torchrun gives its workers (RANK, WORLD_SIZE, MASTER_ADDR, ...; when one fails the other is stopped), with a
-process-group timeout of a few seconds. The broken variant must fail with the quoted message (or hang and be
-stopped by that timeout), and the fixed variant must succeed. One case (inplace-buffers) is an error of older
-torch that 2.14 no longer raises: there both variants must run. The driver checks all this and exits with 1 if
-any case does not behave so. Four cases run at a time (16 light processes, 1 thread each): the timeout cases spend
-their seconds waiting; the report keeps the order of the cases.
+torchrun gives its workers (RANK, WORLD_SIZE, MASTER_ADDR, ...; when one fails, the other has 3 s to end by
+itself, then is stopped), with a process-group timeout of a few seconds. The broken variant must fail with the
+quoted message (or hang and be stopped by that timeout), and the fixed variant must succeed. One case
+(inplace-buffers) is an error of older torch that 2.14 no longer raises: there both variants must run. The driver
+checks all this and exits with 1 if any case does not behave so. Four cases run at a time (16 light processes, 1
+thread each): the timeout cases spend their seconds waiting; the report keeps the order of the cases.
 Started by torchrun with --case and --variant, the script runs one rank of that case, as the driver's workers do:
     torchrun --standalone --nproc-per-node 2 05_collectives/error_gallery.py --case uneven-inputs --variant broken
 """
