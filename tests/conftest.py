@@ -28,9 +28,12 @@ def pytest_collection_modifyitems(config, items):
     # the tests that start processes first, the quick in-process ones last: with 2 workers the quick ones fill
     # the gaps at the end instead of one worker waiting for the other's last long run (a stable sort: the order
     # within each group, and of a notebook's cells, stays)
-    items.sort(key=lambda item: not (item.get_closest_marker("slow") or item.path.suffix == ".ipynb"))
-    harness.STARTS_PROCESSES[:] = [bool(item.get_closest_marker("slow") or item.path.suffix == ".ipynb")
-                                   for item in items]
+    items.sort(key=lambda item: not _starts_processes(item))
+    harness.STARTS_PROCESSES[:] = [_starts_processes(item) for item in items]
+
+
+def _starts_processes(item) -> bool:
+    return bool(item.get_closest_marker("slow") or item.path.suffix == ".ipynb")
 
 
 def _made_once(tmp_path_factory, name: str, make) -> Path:

@@ -21,9 +21,16 @@ from tools import course, data, standins
 # ------------------------------------------------------------------ stand-ins through torchvision's own classes
 
 
-def torchvision_classes():
-    """torchvision's MNIST, and its CIFAR10 pointed at the stand-in's files (no md5 check: they are generated).
-    Imported here, not at the top: torchvision costs each pytest worker that collects this file 2 s."""
+def torchvision_mnist():
+    """torchvision's own MNIST class. Imported here, not at the top: torchvision costs each pytest worker that
+    collects this file 2 s."""
+    import torchvision
+
+    return torchvision.datasets.MNIST
+
+
+def torchvision_cifar10_standin():
+    """torchvision's CIFAR10 class pointed at the stand-in's files (no md5 check: they are generated)."""
     import torchvision
 
     class CIFAR10StandIn(torchvision.datasets.CIFAR10):
@@ -32,13 +39,13 @@ def torchvision_classes():
         test_list = [["test_batch", None]]
         meta = {"filename": "batches.meta", "key": "label_names", "md5": None}
 
-    return torchvision.datasets.MNIST, CIFAR10StandIn
+    return CIFAR10StandIn
 
 
 def test_mnist_standin_reads_through_torchvision_mnist(standin_dir):
     n_train, n_test = standins.STANDIN_SIZES["mnist"]
     for train, n in ((True, n_train), (False, n_test)):
-        ds = torchvision_classes()[0](str(standin_dir / data.STANDIN_SUBDIR), train=train)
+        ds = torchvision_mnist()(str(standin_dir / data.STANDIN_SUBDIR), train=train)
         assert len(ds) == n
         assert ds.data.shape == (n, 28, 28) and ds.data.dtype == torch.uint8
         assert sorted(ds.targets.unique().tolist()) == list(range(10))
@@ -49,7 +56,7 @@ def test_mnist_standin_reads_through_torchvision_mnist(standin_dir):
 
 
 def test_cifar_standin_reads_through_torchvision_cifar10(standin_dir):
-    cls = torchvision_classes()[1]
+    cls = torchvision_cifar10_standin()
     n_train, n_test = standins.STANDIN_SIZES["cifar10"]
     for train, n in ((True, n_train), (False, n_test)):
         ds = cls(str(standin_dir / data.STANDIN_SUBDIR), train=train)
@@ -67,11 +74,11 @@ def test_the_course_reads_the_files_exactly_as_torchvision_does(standin_dir, dat
     for train in (True, False):
         ours = common.load_dataset(dataset, standin_dir, train=train)
         if dataset == "mnist-standin":
-            theirs = torchvision_classes()[0](root, train=train)
+            theirs = torchvision_mnist()(root, train=train)
             pixels = theirs.data.float().div(255).sub(common.MNIST_MEAN).div(common.MNIST_STD).unsqueeze(1)
             labels = theirs.targets
         else:
-            theirs = torchvision_classes()[1](root, train=train)
+            theirs = torchvision_cifar10_standin()(root, train=train)
             pixels = torch.from_numpy(theirs.data).permute(0, 3, 1, 2).float().div(255)
             pixels = (pixels - torch.tensor(common.CIFAR_MEAN).view(1, 3, 1, 1)) / \
                 torch.tensor(common.CIFAR_STD).view(1, 3, 1, 1)
