@@ -20,7 +20,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools import course
+# Two tests share the cores. OpenMP's waiting threads spin by default (libgomp), so a process that runs on every
+# core burns, while it waits on its own threads, the core the other test needs. Waiting passively changes no
+# result, only the CPU time. Set before torch is imported (both conftests import this module first); every process
+# a test starts, notebook kernels included, inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from tools import course  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 COLLECTED: dict[str, bool] = {}  # every test this session collected, before -m/-k: node id -> needs a GPU (conftest)

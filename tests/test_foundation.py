@@ -249,6 +249,12 @@ def test_the_harness_fails_a_command_that_leaves_a_process_behind_and_stops_it()
     assert not alive, f"the leftover was not stopped: {alive}"
 
 
+def test_what_the_tests_start_waits_passively_in_openmp():
+    """Two tests share the cores: OpenMP threads spinning while they wait would burn the other test's core."""
+    result = run([PYTHON, "-c", "import os; print(os.environ.get('OMP_WAIT_POLICY'))"], timeout=30)
+    assert result.stdout.split() == ["PASSIVE"], result.stdout
+
+
 def dry_run(tmp_path, gpus: int, *make_args, visible: str | None = None) -> str:
     """What make would run on a machine whose nvidia-smi -L lists `gpus` GPUs."""
     fake = tmp_path / "nvidia-smi"
