@@ -31,6 +31,7 @@ from tools import course  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 COLLECTED: dict[str, bool] = {}  # every test this session collected, before -m/-k: node id -> needs a GPU (conftest)
 STARTS_PROCESSES: list[bool] = []  # the collected tests in the order they are handed out: starts processes or not
+WAITS: list[bool] = []  # the same order: marked waits (its processes mostly wait on a timeout) or not
 PYTHON = sys.executable
 # --local-addr: as the make targets do, so that no test depends on this machine's host name resolving
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--local-addr", "127.0.0.1"]

@@ -310,6 +310,29 @@ def test_the_tests_that_start_processes_come_first():
     assert STARTS_PROCESSES == sorted(STARTS_PROCESSES, reverse=True)
 
 
+def test_the_tests_that_mostly_wait_are_handed_out_apart():
+    """Two tests marked waits side by side would leave both cores idle: conftest spreads them out among the other
+    tests that start processes, in this run's order and in a made-up one."""
+    import conftest
+
+    from harness import WAITS
+
+    class Item:
+        def __init__(self, name, *marks):
+            self.name, self.marks, self.path = name, marks, Path(f"{name}.py")
+
+        def get_closest_marker(self, mark):
+            return mark if mark in self.marks else None
+
+    items = [Item(f"b{i}", "slow") for i in range(9)] + [Item(f"w{i}", "slow", "waits") for i in range(3)] \
+        + [Item("quick")]
+    conftest._spread_the_waiting(items)
+    assert [item.name for item in items] == ["b0", "b1", "w0", "b2", "b3", "b4", "w1", "b5", "b6", "w2", "b7",
+                                             "b8", "quick"]
+    places = [i for i, waits in enumerate(WAITS) if waits]
+    assert all(b - a >= 3 for a, b in zip(places, places[1:], strict=False)), places
+
+
 def test_gpu_tests_are_marked_and_skipped_where_there_is_no_gpu():
     """Every test marked `cuda` or `multigpu` is skipped, with its reason, on a machine without a GPU (here: CUDA
     hidden), and none of them passes or fails there. The unmarked tests run on the CPU in every `make test`."""
