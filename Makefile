@@ -38,7 +38,9 @@ DIST_ARGS  := $(if $(BACKEND),--backend $(BACKEND)) $(TRAIN_ARGS)
 LOCAL_PROCS = $(NPROC)
 comma := ,
 # One process checks the arguments and prepares the data before torchrun starts NPROC of them, so that a mistake
-# is one line instead of one error per process followed by torchrun's failure summary (tools/preflight.py).
+# is one line instead of one error per process followed by torchrun's failure summary (tools/preflight.py). With
+# --run, the command after it is printed and run in that same process once the checks pass: one start of Python
+# and torch instead of two.
 PREFLIGHT = $(PY) tools/preflight.py --nproc $(NPROC)
 CHECK = COURSE_CHECK_ONLY=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=$(NPROC) LOCAL_WORLD_SIZE=$(NPROC) $(PY)
 
@@ -94,12 +96,10 @@ check-nnodes:
 # ------------------------------------------------------------------ 01: single process and DataParallel
 
 smoke: $(STAMP) ## the single-process MNIST baseline, one epoch on the offline stand-in (or DATASET=auto|mnist)
-	@$(PY) tools/preflight.py 01_dataparallel/mnist_single.py --dataset $(or $(DATASET),mnist-standin) --epochs 1 $(ARGS)
-	$(PY) 01_dataparallel/mnist_single.py --dataset $(or $(DATASET),mnist-standin) --epochs 1 $(ARGS)
+	@$(PY) tools/preflight.py --run $(PY) 01_dataparallel/mnist_single.py --dataset $(or $(DATASET),mnist-standin) --epochs 1 $(ARGS)
 
 dataparallel: $(STAMP) ## MNIST with nn.DataParallel over all visible GPUs (on CPU: the module is called as is)
-	@$(PY) tools/preflight.py 01_dataparallel/mnist_dataparallel.py $(TRAIN_ARGS)
-	$(PY) 01_dataparallel/mnist_dataparallel.py $(TRAIN_ARGS)
+	@$(PY) tools/preflight.py --run $(PY) 01_dataparallel/mnist_dataparallel.py $(TRAIN_ARGS)
 
 dp-shapes: $(STAMP) ## watch DataParallel split a batch (simulated for 2 GPUs on a CPU machine)
 	$(PY) 01_dataparallel/dataparallel_shapes.py $(ARGS)
@@ -118,8 +118,7 @@ ddp-equivalence: $(STAMP) check-nproc ## proof that DDP averages gradients (and 
 	$(PY) 02_ddp_spawn/ddp_equivalence.py --nproc $(NPROC) $(ARGS)
 
 ddp-spawn: $(STAMP) check-nproc ## MNIST with DDP, NPROC processes started by mp.spawn
-	@$(PREFLIGHT) 02_ddp_spawn/mnist_spawn.py --nproc $(NPROC) $(DIST_ARGS)
-	$(PY) 02_ddp_spawn/mnist_spawn.py --nproc $(NPROC) $(DIST_ARGS)
+	@$(PREFLIGHT) --run $(PY) 02_ddp_spawn/mnist_spawn.py --nproc $(NPROC) $(DIST_ARGS)
 
 ddp-timeline: $(STAMP) check-nproc ## see DDP's all-reduce overlap backward: per-rank timelines, traces, PNGs (runs/timeline)
 	$(PY) 02_ddp_spawn/ddp_timeline.py --nproc $(NPROC) $(ARGS)
@@ -134,8 +133,7 @@ FAIL_AT  ?= 250
 FAIL_RANK ?= $(if $(filter 1,$(NPROC)),0,1)
 
 ddp-torchrun: $(STAMP) check-nproc ## MNIST with DDP, NPROC processes started by torchrun (the headline run)
-	@$(PREFLIGHT) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
-	$(TORCHRUN) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
+	@$(PREFLIGHT) --run $(TORCHRUN) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 
 init-check: $(STAMP) check-nproc ## can a process group form? each rank reports, one all_reduce proves it
 	$(TORCHRUN) 03_ddp_torchrun/init_check.py $(if $(BACKEND),--backend $(BACKEND)) $(ARGS)
@@ -167,8 +165,7 @@ exit-stress: $(STAMP) ## a finished 3-rank job RUNS times, leaving with and with
 	$(PY) bench/stress.py exit --runs $(RUNS) --output-dir $(BENCH_OUT) $(ARGS)
 
 launch-legacy: $(STAMP) check-nproc ## the deprecated python -m torch.distributed.launch (passes --local-rank)
-	@$(PREFLIGHT) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
-	$(PY) -m torch.distributed.launch --local-addr 127.0.0.1 --nproc-per-node $(NPROC) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
+	@$(PREFLIGHT) --run $(PY) -m torch.distributed.launch --local-addr 127.0.0.1 --nproc-per-node $(NPROC) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)
 
 # ------------------------------------------------------------------ 04: several nodes
 
@@ -237,8 +234,7 @@ errors: $(STAMP) ## the error gallery: each classic DDP error made on purpose, b
 # ------------------------------------------------------------------ 06: mixed precision and SyncBatchNorm
 
 amp-syncbn: $(STAMP) check-nproc ## MNIST with autocast (bf16 on CPU, fp16 + GradScaler on GPU) and SyncBatchNorm
-	@$(PREFLIGHT) 06_amp_syncbn/mnist_amp_syncbn.py --sync-bn $(DIST_ARGS)
-	$(TORCHRUN) 06_amp_syncbn/mnist_amp_syncbn.py --sync-bn $(DIST_ARGS)
+	@$(PREFLIGHT) --run $(TORCHRUN) 06_amp_syncbn/mnist_amp_syncbn.py --sync-bn $(DIST_ARGS)
 
 syncbn-proof: $(STAMP) check-nproc ## the all_reduce batch norm equals BatchNorm2d over the global batch
 	$(TORCHRUN) 06_amp_syncbn/syncbn_by_hand.py $(ARGS)

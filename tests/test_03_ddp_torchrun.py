@@ -21,6 +21,9 @@ def test_headline_torchrun_run(data_dir, tmp_path):
                env=traced(tmp_path / "trace"), timeout=240)
     final = res.final
     assert final["world_size"] == 2 and final["test_samples"] == TEST_IMAGES
+    # the preflight prints the plain command it runs, as make prints the commands it starts
+    assert re.search(r"^\S*python -m torch\.distributed\.run --standalone --local-addr 127\.0\.0\.1 --nproc-per-node 2 "
+                     r"03_ddp_torchrun/mnist_torchrun\.py --max-steps 60 ", res.stdout, re.M), res.tail()
     check_trace(tmp_path / "trace", world_size=2, epochs=2)  # disjoint shards, new orders, equal replicas, ...
     assert final["test_acc"] >= 0.9, res.tail()
 

@@ -268,6 +268,17 @@ def dry_run(tmp_path, gpus: int, *make_args, visible: str | None = None) -> str:
                           timeout=60).stdout
 
 
+@pytest.mark.parametrize("target, launcher, script", [
+    ("ddp-torchrun", "-m torch.distributed.run --standalone ", "mnist_torchrun.py"),
+    ("amp-syncbn", "-m torch.distributed.run --standalone ", "mnist_amp_syncbn.py"),
+    ("ddp-spawn", "", "mnist_spawn.py"), ("smoke", "", "mnist_single.py")])
+def test_a_launch_target_checks_and_launches_from_one_process(tmp_path, target, launcher, script):
+    """make starts one process for the launch: the preflight, which runs the command after --run in itself."""
+    lines = [line for line in dry_run(tmp_path, 0, target).splitlines() if script in line]
+    assert len(lines) == 1, lines
+    assert re.search(rf"tools/preflight\.py (--nproc 2 )?--run \S*python {launcher}.*{script}", lines[0]), lines
+
+
 @pytest.mark.parametrize("gpus, visible, expected", [(0, None, 2), (1, None, 2), (3, None, 3), (3, "0", 1 + 1),
                                                      (3, "", 2)])
 def test_nproc_defaults_to_one_process_per_gpu_and_to_2_with_fewer_gpus(tmp_path, gpus, visible, expected):
