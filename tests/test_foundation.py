@@ -271,7 +271,8 @@ def dry_run(tmp_path, gpus: int, *make_args, visible: str | None = None) -> str:
 @pytest.mark.parametrize("target, launcher, script", [
     ("ddp-torchrun", "-m torch.distributed.run --standalone ", "mnist_torchrun.py"),
     ("amp-syncbn", "-m torch.distributed.run --standalone ", "mnist_amp_syncbn.py"),
-    ("ddp-spawn", "", "mnist_spawn.py"), ("smoke", "", "mnist_single.py")], ids=["ddp-torchrun", "amp-syncbn", "ddp-spawn", "smoke"])
+    ("ddp-spawn", "", "mnist_spawn.py"), ("smoke", "", "mnist_single.py")],
+    ids=["ddp-torchrun", "amp-syncbn", "ddp-spawn", "smoke"])
 def test_a_launch_target_checks_and_launches_from_one_process(tmp_path, target, launcher, script):
     """make starts one process for the launch: the preflight, which runs the command after --run in itself."""
     lines = [line for line in dry_run(tmp_path, 0, target).splitlines() if script in line]
