@@ -28,30 +28,10 @@ def pytest_collection_modifyitems(config, items):
     # the tests that start processes first, the quick in-process ones last: with 2 workers the quick ones fill
     # the gaps at the end instead of one worker waiting for the other's last long run (a stable sort: the order
     # within each group, and of a notebook's cells, stays)
-    items.sort(key=lambda item: not _starts_processes(item))
-    _spread_the_waiting(items)
-    harness.STARTS_PROCESSES[:] = [_starts_processes(item) for item in items]
-    harness.WAITS[:] = [_waits(item) for item in items]
-
-
-def _starts_processes(item) -> bool:
-    return bool(item.get_closest_marker("slow") or item.path.suffix == ".ipynb")
-
-
-def _waits(item) -> bool:
-    return item.get_closest_marker("waits") is not None
-
-
-def _spread_the_waiting(items) -> None:
-    """The tests marked waits spread evenly among the other tests that start processes: side by side, two of them
-    would leave both cores idle while their processes wait on a timeout."""
-    starting = [item for item in items if _starts_processes(item)]
-    waiting = [item for item in starting if _waits(item)]
-    busy = [item for item in starting if not _waits(item)]
-    step = len(busy) / (len(waiting) + 1)
-    place = {id(item): i for i, item in enumerate(busy)} | {id(item): (j + 1) * step - 0.5
-                                                            for j, item in enumerate(waiting)}
-    items[:len(starting)] = sorted(starting, key=lambda item: place[id(item)])
+    items.sort(key=lambda item: not harness.starts_processes(item))
+    harness.spread_the_waiting(items)
+    harness.STARTS_PROCESSES[:] = [harness.starts_processes(item) for item in items]
+    harness.WAITS[:] = [harness.waits(item) for item in items]
 
 
 def _made_once(tmp_path_factory, name: str, make) -> Path:

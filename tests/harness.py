@@ -37,6 +37,26 @@ PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--local-addr", "127.0.0.1"]
 
 
+def starts_processes(item) -> bool:
+    return bool(item.get_closest_marker("slow") or item.path.suffix == ".ipynb")
+
+
+def waits(item) -> bool:
+    return item.get_closest_marker("waits") is not None
+
+
+def spread_the_waiting(items) -> None:
+    """The tests marked waits spread evenly among the other tests that start processes: side by side, two of them
+    would leave both cores idle while their processes wait on a timeout."""
+    starting = [item for item in items if starts_processes(item)]
+    waiting = [item for item in starting if waits(item)]
+    busy = [item for item in starting if not waits(item)]
+    step = len(busy) / (len(waiting) + 1)
+    place = {id(item): i for i, item in enumerate(busy)} | {id(item): (j + 1) * step - 0.5
+                                                            for j, item in enumerate(waiting)}
+    items[:len(starting)] = sorted(starting, key=lambda item: place[id(item)])
+
+
 @dataclass
 class Result:
     cmd: list

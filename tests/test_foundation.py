@@ -325,9 +325,7 @@ def test_the_tests_that_start_processes_come_first():
 def test_the_tests_that_mostly_wait_are_handed_out_apart():
     """Two tests marked waits side by side would leave both cores idle: conftest spreads them out among the other
     tests that start processes, in this run's order and in a made-up one."""
-    import conftest
-
-    from harness import WAITS
+    from harness import WAITS, spread_the_waiting
 
     class Item:
         def __init__(self, name, *marks):
@@ -338,7 +336,7 @@ def test_the_tests_that_mostly_wait_are_handed_out_apart():
 
     items = [Item(f"b{i}", "slow") for i in range(9)] + [Item(f"w{i}", "slow", "waits") for i in range(3)] \
         + [Item("quick")]
-    conftest._spread_the_waiting(items)
+    spread_the_waiting(items)
     assert [item.name for item in items] == ["b0", "b1", "w0", "b2", "b3", "b4", "w1", "b5", "b6", "w2", "b7",
                                              "b8", "quick"]
     places = [i for i, waits in enumerate(WAITS) if waits]
