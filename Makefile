@@ -109,10 +109,7 @@ dp-shapes: $(STAMP) ## watch DataParallel split a batch (simulated for 2 GPUs on
 DEMOS ?= basic checkpoint model-parallel process
 
 ddp-basics: $(STAMP) check-nproc ## the toy DDP demos: basic, checkpoint, model parallel, bare mp.Process (DEMOS= some)
-	@for demo in $(DEMOS); do \
-	  echo "--- ddp_basics.py $$demo"; \
-	  $(PY) 02_ddp_spawn/ddp_basics.py $$demo --nproc $(NPROC) $(if $(BACKEND),--backend $(BACKEND)) $(ARGS) || exit $$?; \
-	done
+	$(PY) 02_ddp_spawn/ddp_basics.py $(DEMOS) --nproc $(NPROC) $(if $(BACKEND),--backend $(BACKEND)) $(ARGS)
 
 ddp-equivalence: $(STAMP) check-nproc ## proof that DDP averages gradients (and the BatchNorm caveat)
 	$(PY) 02_ddp_spawn/ddp_equivalence.py --nproc $(NPROC) $(ARGS)

@@ -1,10 +1,11 @@
-"""The DDP basics on a toy model, one demo per subcommand, each started with mp.spawn.
+"""The DDP basics on a toy model: each demo named on the command line gets processes of its own from mp.spawn.
 
     python 02_ddp_spawn/ddp_basics.py basic            # DDP(ToyModel): one step, gradients averaged
     python 02_ddp_spawn/ddp_basics.py checkpoint       # rank 0 saves, barrier, every rank loads
     python 02_ddp_spawn/ddp_basics.py model-parallel   # each process holds a model split over 2 devices
     python 02_ddp_spawn/ddp_basics.py process          # the same as basic, with bare mp.Process start/join
     python 02_ddp_spawn/ddp_basics.py fail             # rank 1 raises: mp.spawn stops everyone
+    python 02_ddp_spawn/ddp_basics.py basic checkpoint # several, one after the other, each with its own processes
     make ddp-basics                                    # the first four, one after the other
 
 Options: --nproc N (default 2), --backend, --timeout. CPU + Gloo without GPUs, NCCL with one GPU each.
@@ -163,7 +164,8 @@ def start_with_process(fn, world_size, args):
 def main():
     parser = course.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("demo", choices=[*DEMOS, "process"])
+    parser.add_argument("demos", nargs="+", choices=[*DEMOS, "process"], metavar="DEMO",
+                        help=f"one or more of: {', '.join([*DEMOS, 'process'])}")
     parser.add_argument("--nproc", type=int, default=2, help="processes to start (default %(default)s)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
@@ -171,14 +173,25 @@ def main():
     args = parser.parse_args()
     if args.nproc < 2:
         parser.error("--nproc must be at least 2: these demos compare ranks")
-    try:
-        if args.demo == "model-parallel":
-            args.device, args.backend = model_parallel_placement(args.device, args.backend, args.nproc)
-        else:
-            device, args.backend = course.choose_device(args.device, args.backend, procs_per_node=args.nproc)
-            args.device = device.type
-    except course.UsageError as err:
-        parser.error(str(err))
+    runs = []  # every demo's placement is checked before the first one starts
+    for demo in args.demos:
+        try:
+            if demo == "model-parallel":
+                device, backend = model_parallel_placement(args.device, args.backend, args.nproc)
+            else:
+                device, backend = course.choose_device(args.device, args.backend, procs_per_node=args.nproc)
+                device = device.type
+        except course.UsageError as err:
+            parser.error(str(err))
+        runs.append(argparse.Namespace(**{**vars(args), "demo": demo, "device": device, "backend": backend}))
+    for run in runs:
+        if len(runs) > 1:
+            course.say(f"--- ddp_basics.py {run.demo}")
+        start(run)
+
+
+def start(args):
+    """One demo: its own processes, its own process group, on a port that is free now."""
     gpus_each = 2 if args.demo == "model-parallel" else 1
     course.say(course.runtime_report(torch.device(args.device), args.backend, args.nproc, gpus_each))
     os.environ["MASTER_ADDR"] = "127.0.0.1"  # the workers all run on this machine
