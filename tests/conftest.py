@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not harness.starts_processes(item))
     harness.spread_the_waiting(items)
     harness.STARTS_PROCESSES[:] = [harness.starts_processes(item) for item in items]
-    harness.WAITS[:] = [harness.waits(item) for item in items]
+    harness.WAITS[:] = [harness.waits(item) for item in harness.handed_out(items)]
 
 
 def _made_once(tmp_path_factory, name: str, make) -> Path:

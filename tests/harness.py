@@ -24,14 +24,14 @@ from pathlib import Path
 # core burns, while it waits on its own threads, the core the other test needs. Waiting passively changes no
 # result, only the CPU time. Set before torch is imported (both conftests import this module first); every process
 # a test starts, notebook kernels included, inherits it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 from tools import course  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 COLLECTED: dict[str, bool] = {}  # every test this session collected, before -m/-k: node id -> needs a GPU (conftest)
 STARTS_PROCESSES: list[bool] = []  # the collected tests in the order they are handed out: starts processes or not
-WAITS: list[bool] = []  # the same order: marked waits (its processes mostly wait on a timeout) or not
+WAITS: list[bool] = []  # the tests that start processes, run, and are no notebook, in order: marked waits or not
 PYTHON = sys.executable
 # --local-addr: as the make targets do, so that no test depends on this machine's host name resolving
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--local-addr", "127.0.0.1"]
@@ -46,15 +46,25 @@ def waits(item) -> bool:
 
 
 def spread_the_waiting(items) -> None:
-    """The tests marked waits spread evenly among the other tests that start processes: side by side, two of them
-    would leave both cores idle while their processes wait on a timeout."""
+    """The tests marked waits spread evenly among the other tests that start processes and run: side by side, two
+    of them would leave both cores idle while their processes wait on a timeout. The notebooks go first, as
+    pytest-xdist hands them out (whole, the largest units first); skipped tests go last."""
     starting = [item for item in items if starts_processes(item)]
-    waiting = [item for item in starting if waits(item)]
-    busy = [item for item in starting if not waits(item)]
+    notebooks = [item for item in starting if item.path.suffix == ".ipynb"]
+    tests = [item for item in starting if item.path.suffix != ".ipynb"]
+    waiting = [item for item in tests if waits(item)]
+    busy = [item for item in tests if not waits(item) and not item.get_closest_marker("skip")]
+    skipped = [item for item in tests if not waits(item) and item.get_closest_marker("skip")]
     step = len(busy) / (len(waiting) + 1)
     place = {id(item): i for i, item in enumerate(busy)} | {id(item): (j + 1) * step - 0.5
                                                             for j, item in enumerate(waiting)}
-    items[:len(starting)] = sorted(starting, key=lambda item: place[id(item)])
+    items[:len(starting)] = notebooks + sorted(busy + waiting, key=lambda item: place[id(item)]) + skipped
+
+
+def handed_out(items) -> list:
+    """The tests that start processes and run, in the order pytest-xdist hands them out after the notebooks."""
+    return [item for item in items if starts_processes(item) and item.path.suffix != ".ipynb"
+            and not item.get_closest_marker("skip")]
 
 
 @dataclass

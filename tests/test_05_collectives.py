@@ -127,8 +127,8 @@ def test_backend_matrix_measures_the_gloo_cpu_marks(tmp_path):
 
 
 @pytest.mark.slow
-# four cases at a time, broken and fixed side by side: 16 light forked ranks that mostly wait on 5 s timeouts, about
-# one core in all, so the gallery shares the cores like a 2-rank run
+# four cases at a time, broken and fixed side by side: 16 light forked ranks that train nothing and mostly wait on
+# 5 s timeouts, so the gallery shares the cores like a 2-rank run
 def test_error_gallery_makes_each_error_and_its_fix_runs():
     out = make("errors", timeout=300).stdout
     sections = dict(re.findall(r"^--- (\S+): (.*)$", out, re.M))

@@ -268,16 +268,59 @@ def dry_run(tmp_path, gpus: int, *make_args, visible: str | None = None) -> str:
                           timeout=60).stdout
 
 
+def test_the_preflight_runs_a_checked_command_in_itself_or_execs_it(monkeypatch, tmp_path, capsys):
+    """--run: `python -m module` and `python script.py` run in the preflight's own process, as Python would run
+    them; another interpreter, interpreter options, or a GPU the checks touched replace the process instead."""
+    import argparse
+    import runpy
+    import sys
+
+    from tools import preflight
+
+    calls = []
+    monkeypatch.setattr(runpy, "run_module", lambda name, **kw: calls.append(("module", name, kw, list(sys.argv))))
+    monkeypatch.setattr(runpy, "run_path", lambda path, **kw: calls.append(("path", path, kw, list(sys.argv))))
+
+    class Replaced(Exception):  # os.execvp does not return
+        pass
+
+    def execvp(file, argv):
+        calls.append(("exec", file, argv))
+        raise Replaced
+
+    monkeypatch.setattr(preflight.os, "execvp", execvp)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(argparse.ArgumentParser, "error", lambda self, message: None)  # as the checks leave it
+    script = str(tmp_path / "train.py")
+    preflight.run_here([sys.executable, "-m", "torch.distributed.run", "--standalone", script, "--lr", "0.1"])
+    assert calls.pop() == ("module", "torch.distributed.run", {"run_name": "__main__", "alter_sys": True},
+                           ["torch.distributed.run", "--standalone", script, "--lr", "0.1"])
+    assert sys.path[0] == os.getcwd() and argparse.ArgumentParser.error is preflight._ERROR
+    preflight.run_here([sys.executable, script, "--note", "a b"])
+    assert calls.pop() == ("path", script, {"run_name": "__main__"}, [script, "--note", "a b"])
+    assert sys.path[0] == str(tmp_path)
+    assert capsys.readouterr().out.splitlines()[-1] == f"{sys.executable} {script} --note 'a b'"
+    for command, gpu in ((["/usr/bin/other-python", script], False), ([sys.executable, "-u", script], False),
+                         ([sys.executable, script], True)):  # the last: a launcher must not hold a GPU
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda gpu=gpu: gpu)
+        with pytest.raises(Replaced):
+            preflight.run_here(command)
+        assert calls.pop() == ("exec", command[0], command)
+
+
 @pytest.mark.parametrize("target, launcher, script", [
     ("ddp-torchrun", "-m torch.distributed.run --standalone ", "mnist_torchrun.py"),
     ("amp-syncbn", "-m torch.distributed.run --standalone ", "mnist_amp_syncbn.py"),
-    ("ddp-spawn", "", "mnist_spawn.py"), ("smoke", "", "mnist_single.py")],
-    ids=["ddp-torchrun", "amp-syncbn", "ddp-spawn", "smoke"])
+    ("launch-legacy", "-m torch.distributed.launch ", "mnist_torchrun.py"),
+    ("ddp-spawn", "", "mnist_spawn.py"), ("smoke", "", "mnist_single.py"),
+    ("dataparallel", "", "mnist_dataparallel.py")],
+    ids=["ddp-torchrun", "amp-syncbn", "launch-legacy", "ddp-spawn", "smoke", "dataparallel"])
 def test_a_launch_target_checks_and_launches_from_one_process(tmp_path, target, launcher, script):
     """make starts one process for the launch: the preflight, which runs the command after --run in itself."""
     lines = [line for line in dry_run(tmp_path, 0, target).splitlines() if script in line]
     assert len(lines) == 1, lines
-    assert re.search(rf"tools/preflight\.py (--nproc 2 )?--run \S*python {launcher}.*{script}", lines[0]), lines
+    assert re.search(rf"tools/preflight\.py (--nproc 2 )?--run \S*python\S* {launcher}.*{script}", lines[0]), lines
 
 
 @pytest.mark.parametrize("gpus, visible, expected", [(0, None, 2), (1, None, 2), (3, None, 3), (3, "0", 1 + 1),
@@ -328,17 +371,17 @@ def test_the_tests_that_mostly_wait_are_handed_out_apart():
     from harness import WAITS, spread_the_waiting
 
     class Item:
-        def __init__(self, name, *marks):
-            self.name, self.marks, self.path = name, marks, Path(f"{name}.py")
+        def __init__(self, name, *marks, suffix=".py"):
+            self.name, self.marks, self.path = name, marks, Path(f"{name}{suffix}")
 
         def get_closest_marker(self, mark):
             return mark if mark in self.marks else None
 
-    items = [Item(f"b{i}", "slow") for i in range(9)] + [Item(f"w{i}", "slow", "waits") for i in range(3)] \
-        + [Item("quick")]
-    spread_the_waiting(items)
-    assert [item.name for item in items] == ["b0", "b1", "w0", "b2", "b3", "b4", "w1", "b5", "b6", "w2", "b7",
-                                             "b8", "quick"]
+    items = [Item(f"b{i}", "slow") for i in range(9)] + [Item("s0", "slow", "skip"), Item("nb", suffix=".ipynb")] \
+        + [Item(f"w{i}", "slow", "waits") for i in range(3)] + [Item("quick")]
+    spread_the_waiting(items)  # notebooks first (pytest-xdist hands them out first), skipped tests last
+    assert [item.name for item in items] == ["nb", "b0", "b1", "w0", "b2", "b3", "b4", "w1", "b5", "b6", "w2", "b7",
+                                             "b8", "s0", "quick"]
     places = [i for i, waits in enumerate(WAITS) if waits]
     assert all(b - a >= 3 for a, b in zip(places, places[1:], strict=False)), places
 

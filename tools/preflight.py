@@ -10,9 +10,11 @@ folder, the checkpoint folder and any checkpoint in it, a tcp:// or file:// --in
 devices and the backend for N processes per node, and prepares the data (a download, or the offline stand-in).
 It prints what the run will use and exits 0, or prints one line and exits 2.
 
-With --run it is given the whole command instead, and when the checks pass it prints the command and runs it in
-this same process, as `python -m torch.distributed.run ...` or `python script.py ...` would: Python and torch
-are started once, not twice (about 2 s of CPU less per launch). A command for another interpreter is exec'd.
+With --run it is given the whole command instead (the script is its first word that ends in .py), and when the
+checks pass it prints the command and runs it in this same process, as `python -m torch.distributed.run ...` or
+`python script.py ...` would: Python and torch start once, not twice. This process is replaced by the command
+instead (exec) when the command names another interpreter or options for it, and when the checks have touched a
+GPU: a launcher that stays for the whole run must not hold GPU memory.
 
 A script started by hand skips all this and answers with argparse's and PyTorch's own messages.
 """
@@ -23,6 +25,7 @@ import argparse
 import math
 import os
 import runpy
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -137,10 +140,13 @@ def split_command(command: list[str]) -> tuple[Path, list[str]]:
 
 def run_here(command: list[str]) -> None:
     """Run `python -m module ARGS` or `python script.py ARGS` in this process, as that command would run."""
-    print(" ".join(command), flush=True)  # the command, as make prints the commands it starts
+    print(shlex.join(command), flush=True)  # the command, as make prints the commands it starts
     python, *rest = command
-    if os.path.abspath(shutil.which(python) or python) != os.path.abspath(sys.executable):
-        os.execvp(python, command)  # another interpreter than this one
+    other = os.path.abspath(shutil.which(python) or python) != os.path.abspath(sys.executable)
+    options = rest[0].startswith("-") and rest[0] != "-m"  # python -u, -X ...: as given, by that interpreter
+    torch = sys.modules.get("torch")
+    if other or options or (torch is not None and torch.cuda.is_initialized()):
+        os.execvp(python, command)
     argparse.ArgumentParser.error = _ERROR  # the command's own argparse messages, as by hand
     if rest[0] == "-m":
         sys.argv, sys.path = [rest[1], *rest[2:]], [os.getcwd(), *_PATH]
