@@ -130,7 +130,9 @@ def test_backend_matrix_measures_the_gloo_cpu_marks(tmp_path):
 # four cases at a time, broken and fixed side by side: 16 light forked ranks that train nothing and mostly wait on
 # 5 s timeouts, so the gallery shares the cores like a 2-rank run
 def test_error_gallery_makes_each_error_and_its_fix_runs():
-    out = make("errors", timeout=300).stdout
+    res = make("errors", timeout=300, expect_rc=None)
+    assert res.returncode == 0, res.stdout + res.stderr  # all of it: which case failed, and its ranks' output
+    out = res.stdout
     sections = dict(re.findall(r"^--- (\S+): (.*)$", out, re.M))
     assert len(sections) == 8, out
     for name, verdict in sections.items():
