@@ -42,7 +42,6 @@ comma := ,
 # --run, the command after it is printed and run in that same process once the checks pass: one start of Python
 # and torch instead of two.
 PREFLIGHT = $(PY) tools/preflight.py --nproc $(NPROC)
-CHECK = COURSE_CHECK_ONLY=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=$(NPROC) LOCAL_WORLD_SIZE=$(NPROC) $(PY)
 
 .DEFAULT_GOAL := help
 .PHONY: help existing-python setup data smoke test test-fast notebooks diffs mutants lint clean distclean check-nproc \
@@ -240,8 +239,7 @@ grad-accum: $(STAMP) check-nproc ## gradient accumulation with no_sync: same gra
 	$(TORCHRUN) 06_amp_syncbn/grad_accumulation.py $(ARGS)
 
 cifar-resnet: $(STAMP) check-nproc ## ResNet-18 on CIFAR-10 (the stand-in offline): augmentation, AMP, eval, resume
-	@$(CHECK) 06_amp_syncbn/cifar_resnet.py $(if $(EPOCHS),,--epochs 1 --max-steps 25) $(DIST_ARGS)
-	$(TORCHRUN) 06_amp_syncbn/cifar_resnet.py $(if $(EPOCHS),,--epochs 1 --max-steps 25) $(DIST_ARGS)
+	@$(PREFLIGHT) --run $(TORCHRUN) 06_amp_syncbn/cifar_resnet.py $(if $(EPOCHS),,--epochs 1 --max-steps 25) $(DIST_ARGS)
 
 # ------------------------------------------------------------------ benchmarks
 

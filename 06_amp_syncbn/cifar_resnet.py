@@ -3,28 +3,30 @@ gradient accumulation, exact evaluation every few epochs, rank-0 checkpoints tha
 
     torchrun --standalone --nproc-per-node 2 06_amp_syncbn/cifar_resnet.py --epochs 30
     torchrun --standalone --nproc-per-node 2 06_amp_syncbn/cifar_resnet.py --checkpoint-dir runs/cifar --epochs 30
+    torchrun --standalone --nproc-per-node 2 06_amp_syncbn/cifar_resnet.py --accum-steps 4 --eval-every 5
     make cifar-resnet NPROC=2                    # a short run; EPOCHS=N for a real one
 
 Real CIFAR-10 when it is in --data-dir (`make data`), the offline stand-in otherwise. On a CPU,
 ResNet-18 trains at about 50 images/s per process: an epoch of the stand-in takes minutes.
 """
 
+import argparse
 import contextlib
+import gc
 import os
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
 
 import common
-import workarounds
-from tools import course, data
 
 
 def augment_cifar(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -42,52 +44,55 @@ def augment_cifar(x: torch.Tensor, generator: torch.Generator | None = None) -> 
     return torch.where(flip, out.flip(3), out)
 
 
-def train(args, device, rank=0, world_size=1):
+def train(args, device, rank, world_size):
     common.seed_everything(args.seed)
     train_set = common.load_dataset(args.dataset, args.data_dir, train=True)
     test_set = common.load_dataset(args.dataset, args.data_dir, train=False)
     # DDP: each rank its own shard of the training set; exact shards of the test set (see section 02)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    train_loader = course.batch_loader(train_set, args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
-    test_loader = course.batch_loader(test_set, 500, sampler=range(rank, len(test_set), world_size))
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
+    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=500)
     augment_rng = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own crops and flips
 
-    # DDP: rank 0's weights everywhere, gradients averaged in every backward
-    model = DDP(common.resnet18_cifar().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    model = common.resnet18_cifar().to(device)
+    # DDP: copies rank 0's weights to every rank now, then averages the gradients in every backward()
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
-    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    # a checkpoint in --checkpoint-dir is continued; one of another run is refused, in one line
-    path = Path(args.checkpoint_dir) / f"{Path(__file__).stem}.pt" if args.checkpoint_dir else None
-    run = {"script": Path(__file__).name, "model": "ResNet-18", "dataset": args.dataset, "amp": args.amp}
-    state, start_epoch = course.resume_state(path, run), 0
-    if state:
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)  # AMP: None is full precision
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # AMP: fp16 gradients would underflow
+    path = os.path.join(args.checkpoint_dir, "cifar_resnet.pt") if args.checkpoint_dir else ""
+    start_epoch = 0
+    if path and os.path.exists(path):  # continue a run: every rank reads the same checkpoint
+        state = torch.load(path, map_location=device, weights_only=True)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         start_epoch = state["epoch"]
-        course.print0(rank, f"resumed from {path} after epoch {start_epoch}{course.use_lr(optimizer, args.lr)}")
+        if rank == 0:
+            print(f"resumed from {path} after epoch {start_epoch}")
+    if rank == 0:
+        print(f"ResNet-18 on {args.dataset} ({len(train_set)} train / {len(test_set)} test), {world_size} processes, "
+              f"batch {args.batch_size} x {args.accum_steps} accumulation per process, amp {args.amp}")
 
-    course.print0(rank, f"ResNet-18 on {args.dataset} ({len(train_set)} train / {len(test_set)} test), "
-                        f"{world_size} processes, batch {args.batch_size} x {args.accum_steps} accumulation "
-                        f"per process, amp {args.amp}")
-    start, acc, samples = time.time(), None, 0
+    start, acc = time.time(), None
     for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same on every rank
+        sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same permutation on every rank
         model.train()
+        # --max-steps counts optimizer steps: each takes --accum-steps batches
         steps = min(len(train_loader), args.max_steps * args.accum_steps or len(train_loader))
-        for step, (images, labels) in enumerate(course.progress(train_loader, rank, f"epoch {epoch + 1}", steps)):
+        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", total=steps, disable=None if rank == 0 else True)
+        for step, (images, labels) in enumerate(bar):
             if step == steps:
                 break
             # augment on the device, after the (pinned, non-blocking) copy: no CPU work per batch
             images = augment_cifar(images.to(device, non_blocking=True), augment_rng)
             labels = labels.to(device, non_blocking=True)
             last_micro = (step + 1) % args.accum_steps == 0 or step + 1 == steps
-            # all-reduce only on the last micro-batch of an optimizer step
+            # DDP: all-reduce only in the backward of the last micro-batch of an optimizer step
             with contextlib.nullcontext() if last_micro else model.no_sync():
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                     loss = F.cross_entropy(model(images), labels) / args.accum_steps
-                scaler.scale(loss).backward()
+                scaler.scale(loss).backward()  # AMP: the scaled loss; the gradients add up over the micro-batches
             if last_micro:
                 scaler.step(optimizer)
                 scaler.update()
@@ -98,54 +103,53 @@ def train(args, device, rank=0, world_size=1):
                 dist.broadcast(buffer, src=0)
             totals = common.evaluate(model.module, test_loader, device)
             dist.all_reduce(totals)  # DDP: every rank evaluated its own part: add them up
-            acc, samples = totals[0].item() / totals[1].item(), int(totals[1].item())
-            course.print0(rank, course.line("epoch", epoch=epoch + 1, epochs=args.epochs,
-                                            train_loss=loss.item() * args.accum_steps, test_acc=acc))
-        if rank == 0 and path:
-            course.save_checkpoint(path, run, model=model.module.state_dict(), optimizer=optimizer.state_dict(),
-                                   scaler=scaler.state_dict(), epoch=epoch + 1, device=device.type)
-    if acc is not None:
-        course.print0(rank, course.final_line(test_acc=acc, test_samples=samples, world_size=world_size,
-                                              epochs=args.epochs, seconds=time.time() - start, dataset=args.dataset,
-                                              amp=args.amp))
+            correct, samples, loss_sum = totals.tolist()
+            acc = correct / samples
+            if rank == 0:
+                print(f"epoch {epoch + 1}/{args.epochs}: train_loss={loss.item() * args.accum_steps:.4f} "
+                      f"test_loss={loss_sum / samples:.4f} test_acc={acc:.4f}")
+        if rank == 0 and path:  # DDP: one writer is enough, every rank holds the same weights
+            state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scaler": scaler.state_dict(), "epoch": epoch + 1}
+            os.makedirs(args.checkpoint_dir, exist_ok=True)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)  # a crash while saving leaves the last good checkpoint
+    if rank == 0 and acc is not None:
+        print(f"final: test_acc={acc:.4f} test_samples={int(samples)} world_size={world_size} epochs={args.epochs} "
+              f"seconds={time.time() - start:.1f} dataset={args.dataset} amp={args.amp}")
 
 
-@record
+@record  # torchrun: on failure, its summary shows this worker's real traceback
 def main():
-    parser = course.training_parser(__doc__, amp=True, family="cifar10", epochs=2, batch_size=32, lr=0.05)
-    parser.add_argument("--accum-steps", type=course.positive_int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--eval-every", type=course.positive_int, default=1,
-                        help="evaluate every K epochs (and after the last)")
-    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
-    args = parser.parse_args()
-    if "RANK" not in os.environ:
-        parser.error(f"start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 {__file__}")
+    parser = argparse.ArgumentParser(description="ResNet-18 on CIFAR-10 with DDP (torchrun).")
+    parser.add_argument("--amp", default="auto", choices=("auto", "off", "fp16", "bf16"),
+                        help="mixed precision; auto = fp16 on CUDA, bf16 on the CPU")
+    parser.add_argument("--use_mix_precision", action="store_const", const="fp16", dest="amp", help="= --amp fp16")
+    parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    parser.add_argument("--eval-every", type=int, default=1, help="evaluate every K epochs, and after the last")
+    parser.add_argument("--local-rank", "--local_rank", type=int, help="the deprecated launcher's; LOCAL_RANK wins")
+    args = common.add_training_flags(parser, datasets=common.CIFAR_DATASETS, batch_size=32, lr=0.05).parse_args()
+    # DDP: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK (on this node); the old launcher passes --local-rank
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # without LOCAL_RANK (by hand, or the old launcher): its --local-rank, or on one machine local rank = rank
-    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank if args.local_rank >= 0 else rank))
-    procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    device, backend = course.check_args(parser, args, rank=rank, world_size=world_size, local_rank=local_rank,
-                                        procs_per_node=procs_per_node)
-    course.print0(rank, course.runtime_report(device, backend, procs_per_node))
-    if args.amp == "auto":
-        args.amp = "fp16" if device.type == "cuda" else "bf16"
-    workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
+    local_rank = int(os.environ.get("LOCAL_RANK", rank if args.local_rank is None else args.local_rank))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # by hand on one machine: all here
+    device, backend = common.device_and_backend(args.device, args.backend, local_rank, local_world_size)
+    args.amp = ("fp16" if device.type == "cuda" else "bf16") if args.amp == "auto" else args.amp  # AMP: per device
     if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),  # DDP: join the job
+        torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
+    # DDP: env:// reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; NCCL gets this process's GPU
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     try:
-        # one process per node prepares the data (as in mnist_torchrun.py) ...
-        if local_rank == 0:
-            args.dataset = common.prepare_data(args.dataset, args.data_dir, family="cifar10")
-        dist.barrier()  # DDP: ... while the others wait, up to --timeout (run `make data` first for a slow download)
-        args.dataset = data.resolve_dataset(args.dataset, args.data_dir, family="cifar10")
+        if local_rank == 0:  # one process per node downloads or writes the data ...
+            common.prepare_data(args.dataset, args.data_dir, family="cifar10")
+        dist.barrier()  # DDP: ... while the others wait here (run `make data` first for a slow download)
+        args.dataset = common.prepare_data(args.dataset, args.data_dir, family="cifar10", download=False)
+        if rank == 0:
+            print(f"{world_size} processes on {device.type} with {backend}")
         train(args, device, rank, world_size)
-        dist.barrier()  # DDP: every rank finishes its work before any tears the group down
-    except course.UsageError as err:
-        parser.error(str(err))
     finally:
-        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
+        gc.collect()  # DDP: a DDP model lives in reference cycles; free it before its group, or exit can abort
         dist.destroy_process_group()  # DDP: leave the group, also after an error
 
 

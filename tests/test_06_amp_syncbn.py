@@ -119,12 +119,13 @@ def test_cifar_resnet_short_run_with_accumulation(tmp_path):
     from tools import data as course_data
     from tools import standins
 
-    data = tmp_path / "data"  # a small stand-in of 1,000 + 400 images: ResNet-18 is slow on a CPU
-    standins.write_cifar_standin(data / course_data.STANDIN_SUBDIR, sizes=(1000, 400))
+    data = tmp_path / "data"  # a small stand-in of 400 + 40 images: ResNet-18 is slow on a CPU
+    standins.write_cifar_standin(data / course_data.STANDIN_SUBDIR, sizes=(400, 40))
     res = make("cifar-resnet", "NPROC=2",
-               f"ARGS=--dataset cifar10-standin --data-dir {data} --max-steps 2 --accum-steps 2 --batch-size 16 "
+               f"ARGS=--dataset cifar10-standin --data-dir {data} --max-steps 2 --accum-steps 2 --batch-size 8 "
                f"--checkpoint-dir {tmp_path / 'ck'}", timeout=300)
-    assert res.final["world_size"] == 2 and res.final["test_samples"] == 400
+    assert res.final["world_size"] == 2 and res.final["test_samples"] == 40, res.tail()
+    assert "batch 8 x 2 accumulation per process" in res.stdout, res.tail()
     state = torch.load(tmp_path / "ck" / "cifar_resnet.pt", weights_only=True)
     assert state["epoch"] == 1 and "scaler" in state
     group = state["optimizer"]["param_groups"][0]  # SGD with momentum 0.9 and weight decay 5e-4, as the README says

@@ -314,8 +314,9 @@ def test_the_preflight_runs_a_checked_command_in_itself_or_execs_it(monkeypatch,
     ("amp-syncbn", "-m torch.distributed.run --standalone ", "mnist_amp_syncbn.py"),
     ("launch-legacy", "-m torch.distributed.launch ", "mnist_torchrun.py"),
     ("ddp-spawn", "", "mnist_spawn.py"), ("smoke", "", "mnist_single.py"),
-    ("dataparallel", "", "mnist_dataparallel.py")],
-    ids=["ddp-torchrun", "amp-syncbn", "launch-legacy", "ddp-spawn", "smoke", "dataparallel"])
+    ("dataparallel", "", "mnist_dataparallel.py"),
+    ("cifar-resnet", "-m torch.distributed.run --standalone ", "cifar_resnet.py")],
+    ids=["ddp-torchrun", "amp-syncbn", "launch-legacy", "ddp-spawn", "smoke", "dataparallel", "cifar-resnet"])
 def test_a_launch_target_checks_and_launches_from_one_process(tmp_path, target, launcher, script):
     """make starts one process for the launch: the preflight, which runs the command after --run in itself."""
     lines = [line for line in dry_run(tmp_path, 0, target).splitlines() if script in line]

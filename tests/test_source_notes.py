@@ -20,7 +20,6 @@ import pytest
 
 import common
 from harness import REPO, exits
-from tools import course
 
 # what torchrun (or the deprecated launcher) gives every worker; rank 0 speaks for the job
 LAUNCHED = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
@@ -36,7 +35,9 @@ NOTES_COMMANDS = [  # (where in the notes, the command with the course's script,
     ("Kai Zhang's tutorial, ENV mode", "06_amp_syncbn/mnist_amp_syncbn.py --local_rank=0 --use_mix_precision", True,
      None),
     ("the blog, resnet_ddp.py", "06_amp_syncbn/cifar_resnet.py --local_rank=0 --num_epochs 2 --batch_size 32 "
-     "--learning_rate 0.1 --random_seed 0 --model_dir saved_models", True, "--num_epochs -> --epochs"),
+     "--learning_rate 0.1 --random_seed 0 --model_dir saved_models", True, None),
+    ("the blog, resnet_ddp.py, --resume", "06_amp_syncbn/cifar_resnet.py --local_rank=0 --resume", True,
+     "continues the checkpoint in --checkpoint-dir by itself"),
     ("the blog, resnet_ddp.py, with the course's flags", "06_amp_syncbn/cifar_resnet.py --local_rank=0 --epochs 2 "
      "--batch_size 32 --lr 0.1 --seed 0 --use_mix_precision", True, None),
     ("Kai Zhang's --use_mix_precision on the spawn step", "02_ddp_spawn/mnist_spawn.py --use_mix_precision", False,
@@ -52,22 +53,24 @@ NOTES_COMMANDS = [  # (where in the notes, the command with the course's script,
 ]
 
 
-CHAIN = ("mnist_single", "mnist_spawn", "mnist_torchrun", "mnist_tcp", "mnist_amp_syncbn")
+PLAIN = ("mnist_single", "mnist_spawn", "mnist_torchrun", "mnist_tcp", "mnist_amp_syncbn", "cifar_resnet")
 
 
-def call(command: str, launched: bool, data_dir: Path) -> tuple:
-    """The chain scripts are checked by make's preflight; the others check themselves (COURSE_CHECK_ONLY)."""
+def call(command: str, launched: bool, data_dir: Path, tmp: Path) -> tuple:
+    """The scripts in plain PyTorch (the chain, cifar_resnet.py) are checked by make's preflight; the others check
+    themselves (COURSE_CHECK_ONLY)."""
     script, *argv = shlex.split(command)
+    argv = [str(tmp / arg) if arg == "saved_models" else arg for arg in argv]  # the blog's folder, not in the repo
     if "spawn_per_node" not in command:
         argv += ["--data-dir", str(data_dir)]
-    if Path(script).stem in CHAIN:
+    if Path(script).stem in PLAIN:
         return "tools/preflight.py", [script, *argv], {}
     return script, argv, {**(LAUNCHED if launched else {}), "COURSE_CHECK_ONLY": "1"}
 
 
 @pytest.mark.slow
-def test_the_notes_commands_run_or_name_the_course_way(data_dir):
-    results = exits([call(c[1], c[2], data_dir) for c in NOTES_COMMANDS])
+def test_the_notes_commands_run_or_name_the_course_way(data_dir, tmp_path):
+    results = exits([call(c[1], c[2], data_dir, tmp_path) for c in NOTES_COMMANDS])
     for (where, command, _, error), (code, out, err) in zip(NOTES_COMMANDS, results, strict=True):
         lines = [ln for ln in err.strip().splitlines() if not ln.startswith("NOTE:")]
         if error is None:
@@ -169,14 +172,14 @@ def in_code(script: str) -> dict:
 
     test_loader = re.search(r"test_loader = .*?(?:batch_size=|batch_loader\(test_set, )(\d+)", source)
     augmented = re.findall(r"(?<!def )augment_cifar\((\w+)", source)
-    trains_on = re.search(r"\(images, labels\) in enumerate\(course\.progress\(train_loader", source)
+    trains_on = re.search(r"bar = tqdm\(train_loader.*\n.*\(images, labels\) in enumerate\(bar\)", source)
     return {
         "momentum": only(re.findall(r"momentum=([\d.e-]+)", source)),
         "weight decay": only(re.findall(r"weight_decay=([\d.e-]+)", source)),
         "test batch": float(test_loader[1]) if test_loader else None,
         "mean": common.MNIST_MEAN if mnist else common.CIFAR_MEAN,
         "std": common.MNIST_STD if mnist else common.CIFAR_STD,
-        "workers": 0 if "num_workers" not in source + inspect.getsource(course.batch_loader) else "num_workers set",
+        "workers": 0 if "num_workers" not in source else "num_workers set",
         "augmented": "training batches only" if augmented == ["images"] and trains_on
                      and "augment" not in inspect.getsource(common.evaluate) else augmented,
     }

@@ -455,17 +455,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu())  # the current GPU's
 
 
-def use_lr(optimizer: torch.optim.Optimizer, lr: float) -> str:
-    """Give every parameter group this run's --lr (a resumed optimizer brings back the saved one).
-
-    Returns a note for the log when that changes the learning rate, else "".
-    """
-    saved = optimizer.param_groups[0]["lr"]
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return f"; --lr {lr:g} replaces the checkpoint's {saved:g}" if saved != lr else ""
-
-
 # --------------------------------------------------------------------------- printing, progress, evaluation
 
 
@@ -502,14 +491,6 @@ def line(kind: str, **fields) -> str:
     Notebooks and tests read these lines with parse_lines; people read them too.
     """
     return f"{kind}: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
-
-
-@torch.no_grad()  # no graph: evaluation keeps no activations for a backward that never comes
-def final_line(*, test_acc: float, test_samples: int, world_size: int, epochs: int, seconds: float,
-               dataset: str, **extra) -> str:
-    """The summary every training script prints last, on rank 0; tests parse it."""
-    return line("final", test_acc=float(test_acc), test_samples=test_samples, world_size=world_size, epochs=epochs,
-                seconds=f"{seconds:.1f}", dataset=dataset, **extra)
 
 
 def weights_digest(model: nn.Module) -> str:

@@ -1,4 +1,5 @@
-"""Break the distributed part of each chain script on purpose; a trace check must turn red for every break.
+"""Break the distributed part of each DDP chain script (and cifar_resnet.py) on purpose; a trace check must turn
+red for every break.
 
     python tools/mutants.py                                    # every script, every mutation (about a minute)
     python tools/mutants.py --only no-set-epoch --scripts 03_ddp_torchrun/mnist_torchrun.py
@@ -37,7 +38,11 @@ SCRIPTS = {  # script: how its ranks start
     "03_ddp_torchrun/mnist_torchrun.py": "torchrun",
     "04_multinode_tcp/mnist_tcp.py": "tcp",
     "06_amp_syncbn/mnist_amp_syncbn.py": "torchrun",
+    "06_amp_syncbn/cifar_resnet.py": "torchrun",
 }
+# each run: 2 short epochs on a small stand-in (ResNet-18 on a CPU: a few small batches)
+ARGS = {"mnist": ["--dataset", "mnist-standin", "--epochs", "2", "--max-steps", "3"],
+        "cifar": ["--dataset", "cifar10-standin", "--epochs", "2", "--max-steps", "1", "--batch-size", "2"]}
 
 MUTANTS = {  # name: (what it breaks, the original code, the mutated code, the check that must catch it)
     "no-sampler": ("every rank trains on the whole data set",
@@ -144,8 +149,7 @@ def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float
 def check_script(rel: str, data_dir: str, work: Path, only: list[str] | None = None) -> list[dict]:
     """The unchanged script and each mutation of it: one row each (name, exit codes, checks, caught)."""
     script = REPO / rel
-    args = ["--dataset", "mnist-standin", "--data-dir", data_dir, "--epochs", "2", "--max-steps", "3",
-            "--timeout", "30"]
+    args = [*ARGS["cifar" if "cifar" in rel else "mnist"], "--data-dir", data_dir, "--timeout", "30"]
     rows = []
     for name in ["unchanged", *(only or MUTANTS)]:
         copy = work / name.replace("-", "_") / script.name
@@ -167,12 +171,13 @@ def check_script(rel: str, data_dir: str, work: Path, only: list[str] | None = N
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Break each chain script's distributed part; the trace must tell.")
-    parser.add_argument("--data-dir", help="a folder with the MNIST stand-in (made if missing); default: a small "
-                                           "stand-in of 2,400 + 400 images in a temporary folder, for speed")
+    parser.add_argument("--data-dir", help="a folder with the MNIST and CIFAR-10 stand-ins (made if missing); default: "
+                                           "small ones (2,400 + 400 and 200 + 10 images) in a temporary folder")
     parser.add_argument("--scripts", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))
     parser.add_argument("--only", nargs="+", choices=list(MUTANTS), help="these mutations only")
     args = parser.parse_args(argv)
     import torch._dynamo  # noqa: F401 - a DDP wrap imports it (about a second): once here, not in every forked rank
+    import torchvision.models  # noqa: F401 - the same for ResNet-18's module (cifar_resnet.py)
 
     import common
     from tools import standins
@@ -183,7 +188,9 @@ def main(argv=None) -> int:
         if args.data_dir is None:  # the breaks show on any data: a small stand-in keeps each run about a second
             args.data_dir = str(Path(work) / "data")
             standins.write_mnist_standin(Path(args.data_dir) / "standin", sizes=(2400, 400))
+            standins.write_cifar_standin(Path(args.data_dir) / "standin", sizes=(200, 10))
         common.prepare_data("mnist-standin", args.data_dir)
+        common.prepare_data("cifar10-standin", args.data_dir, family="cifar10")
         for rel in args.scripts:
             for row in check_script(rel, args.data_dir, Path(work) / Path(rel).stem, args.only):
                 what = ("passes every check" if row["expected"] is None else

@@ -65,7 +65,7 @@ def parse_script_args(script: Path, argv: list[str]) -> tuple[argparse.ArgumentP
 
 def check_numbers(parser, args) -> None:
     for flag, low in (("epochs", 1), ("batch_size", 1), ("max_steps", 0), ("world_size", 1), ("nproc", 1),
-                      ("nproc_per_node", 1)):
+                      ("nproc_per_node", 1), ("accum_steps", 1), ("eval_every", 1)):
         value = getattr(args, flag, None)
         if value is not None and value < low:
             parser.error(f"--{flag.replace('_', '-')} must be at least {low}, got {value}")
