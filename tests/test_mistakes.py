@@ -62,6 +62,12 @@ def test_a_checkpoint_that_is_not_this_scripts_is_one_line_and_left_as_it_is(tmp
     res = make("ddp-torchrun", "NPROC=2", f"ARGS=--checkpoint-dir {tmp_path}", expect_rc=2, timeout=60)
     assert f"{foreign} is not a checkpoint of mnist_torchrun.py" in one_line(res.stderr)
     assert foreign.read_bytes() == before, "a refused checkpoint is left as it is"
+    # a bf16 run's checkpoint (its GradScaler state is empty) continued with fp16: GradScaler would refuse it
+    bf16 = tmp_path / "mnist_amp_syncbn.pt"
+    torch.save({"model": {}, "optimizer": {}, "epoch": 1, "scaler": {}}, bf16)
+    (code, _, err), = exits([("tools/preflight.py", ["06_amp_syncbn/mnist_amp_syncbn.py", "--amp", "fp16",
+                                                     "--checkpoint-dir", str(tmp_path)])])
+    assert code == 2 and f"{bf16} was saved by a run without fp16" in err.strip().splitlines()[-1], err
     foreign.write_bytes(b"PK\x03\x04 not really")
     res = make("ddp-torchrun", "NPROC=2", f"ARGS=--checkpoint-dir {tmp_path}", expect_rc=2, timeout=60)
     assert f"{foreign} is damaged or not a checkpoint" in one_line(res.stderr)

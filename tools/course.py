@@ -11,7 +11,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -376,31 +375,6 @@ def batch_loader(dataset: TensorDataset, batch_size: int, sampler=None, shuffle:
 # --------------------------------------------------------------------------- checkpoints
 
 
-def resume_state(path: Path | None, run: dict) -> dict | None:
-    """The checkpoint a run continues from, or None when it starts from scratch.
-
-    `run` says what the checkpoint must belong to (script, model, data set, settings that must match). One rule
-    for every script: an existing checkpoint is continued, or refused in one line (UsageError), never
-    overwritten by a fresh run. Refused, and left untouched: a damaged file, one from another kind of run, and
-    one that another job on this machine is still writing.
-    """
-    if path is None or not path.exists():
-        return None
-    state = load_checkpoint(path)
-    saved = state.get("run", {}) if isinstance(state, dict) else {}
-    keys = list(run) + [key for key in saved if key not in run]  # what this run says, then what only the file says
-    wrong = [f"{key} {saved.get(key)!r} there, {run.get(key)!r} here" for key in keys if saved.get(key) != run.get(key)]
-    if wrong:
-        raise UsageError(f"{path} belongs to another run ({'; '.join(wrong)}). It was left as it is: use another "
-                         f"--checkpoint-dir, or delete the file to start over")
-    writer = state.get("writer", {})
-    if (writer.get("host") == socket.gethostname() and writer.get("pid") != os.getpid()
-            and writer.get("started") and _start_time(writer["pid"]) == writer["started"]):
-        raise UsageError(f"{path} is being written by another job that is still running (pid {writer['pid']}). "
-                         f"Wait for it to end, or use another --checkpoint-dir")
-    return state
-
-
 def load_checkpoint(path) -> dict:
     """A checkpoint written by atomic_save, loaded onto the CPU with weights_only=True.
 
@@ -413,25 +387,6 @@ def load_checkpoint(path) -> dict:
     except Exception as err:  # noqa: BLE001 - truncated, random bytes, not a torch file: all the same to a user
         raise UsageError(f"{path} is damaged or not a checkpoint (torch.load: {type(err).__name__}). It was left as "
                          f"it is: move it away, or use another --checkpoint-dir, to start over") from None
-
-
-def save_checkpoint(path: Path, run: dict, **state) -> Path:
-    """atomic_save of `state`, with what the run is (see resume_state) and which process wrote it."""
-    return atomic_save({"run": run, "writer": _this_process(), **state}, path)
-
-
-def _this_process() -> dict:
-    """Who writes a checkpoint: host, pid, and the pid's start time (so that a reused pid is not taken for it)."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid())}
-
-
-def _start_time(pid: int) -> str | None:
-    """A process's start, as boot id + clock ticks since boot (Linux); None where /proc does not tell."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot}:{Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]}"
-    except (OSError, IndexError):
-        return None
 
 
 def rng_state() -> dict:

@@ -40,7 +40,8 @@ SCRIPTS = {  # script: how its ranks start
     "06_amp_syncbn/mnist_amp_syncbn.py": "torchrun",
     "06_amp_syncbn/cifar_resnet.py": "torchrun",
 }
-# each run: 2 short epochs on a small stand-in (ResNet-18 on a CPU: a few small batches)
+# each run: 2 short epochs on a small stand-in (ResNet-18 on a CPU: a few small batches). No --accum-steps for
+# cifar_resnet.py: the bare-model break puts in DataParallel, which has no no_sync()
 ARGS = {"mnist": ["--dataset", "mnist-standin", "--epochs", "2", "--max-steps", "3"],
         "cifar": ["--dataset", "cifar10-standin", "--epochs", "2", "--max-steps", "1", "--batch-size", "2"]}
 
@@ -170,7 +171,7 @@ def check_script(rel: str, data_dir: str, work: Path, only: list[str] | None = N
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Break each chain script's distributed part; the trace must tell.")
+    parser = argparse.ArgumentParser(description="Break each DDP script's distributed part; the trace must tell.")
     parser.add_argument("--data-dir", help="a folder with the MNIST and CIFAR-10 stand-ins (made if missing); default: "
                                            "small ones (2,400 + 400 and 200 + 10 images) in a temporary folder")
     parser.add_argument("--scripts", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))

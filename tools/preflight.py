@@ -94,8 +94,9 @@ def place(parser, args, nproc: int, nnodes: int) -> tuple[int, int, int, int]:
     return rank, local, args.world_size, per_node
 
 
-def check_checkpoint(parser, args, script: Path) -> None:
-    """A checkpoint the run would continue must load, and be this script's."""
+def check_checkpoint(parser, args, script: Path, device) -> None:
+    """A checkpoint the run would continue must load, be this script's, and hold a GradScaler state if this run
+    needs one (fp16): a run without fp16 saves an empty one, which GradScaler.load_state_dict refuses."""
     path = Path(args.checkpoint_dir or "") / f"{script.stem}.pt"
     if not args.checkpoint_dir or not path.exists():
         return
@@ -110,6 +111,12 @@ def check_checkpoint(parser, args, script: Path) -> None:
     if missing:
         parser.error(f"{path} is not a checkpoint of {script.name} (no {', '.join(missing)}); move it away or use "
                      f"another --checkpoint-dir")
+    amp = getattr(args, "amp", None)
+    if amp == "auto":
+        amp = "fp16" if device.type == "cuda" else "bf16"
+    if amp == "fp16" and "scaler" in state and not state["scaler"]:
+        parser.error(f"{path} was saved by a run without fp16 (no GradScaler state) and this run uses fp16: "
+                     f"continue it with that run's --amp, or use another --checkpoint-dir")
 
 
 def check_gpus(parser, args, device) -> None:
@@ -176,7 +183,7 @@ def main(argv=None) -> int:
     device, backend = course.check_args(script_parser, args, rank=rank, world_size=world_size,
                                         local_rank=local_rank, procs_per_node=per_node)
     check_gpus(script_parser, args, device)
-    check_checkpoint(script_parser, args, opts.script)
+    check_checkpoint(script_parser, args, opts.script, device)
     print(course.runtime_report(device, backend, per_node))
     try:
         data.prepare(args.dataset, args.data_dir, family=script_parser.family)
