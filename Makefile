@@ -16,6 +16,9 @@ ifeq ($(origin PY),command line)
 STAMP  := existing-python
 endif
 PYABS  := $(if $(findstring /,$(PY)),$(abspath $(PY)),$(PY))
+# every line reaches a log file or a pipe when it is printed: Python buffers its output when that is not a
+# terminal, so `make ddp-torchrun > log` would otherwise show the epochs' lines only at the end
+export PYTHONUNBUFFERED := 1
 
 # GPUs this machine shows (nvidia-smi, narrowed by CUDA_VISIBLE_DEVICES when set): NPROC's default is one
 # process per GPU, so that a GPU user's first run trains on the GPUs; 2 processes on a machine with fewer than 2,
@@ -303,7 +306,7 @@ notebooks: $(STAMP) ## write each .ipynb from its .py source (jupytext), execute
 diffs: $(STAMP) ## rewrite the step-to-step diffs of the MNIST chain in the section READMEs
 	$(PY) tools/chain_diffs.py --write
 
-mutants: $(STAMP) ## break each chain script on purpose (sampler, set_epoch, DDP, all_reduce, buffers): a trace check must go red
+mutants: $(STAMP) ## break each DDP chain script and cifar_resnet.py on purpose (sampler, set_epoch, DDP, all_reduce, buffers): a trace check must go red
 	$(PY) tools/mutants.py $(ARGS)
 
 lint: $(STAMP) ## ruff

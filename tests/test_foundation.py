@@ -249,6 +249,14 @@ def test_the_harness_fails_a_command_that_leaves_a_process_behind_and_stops_it()
     assert not alive, f"the leftover was not stopped: {alive}"
 
 
+def test_what_make_starts_prints_each_line_as_it_comes():
+    """Output to a file or a pipe is block-buffered unless PYTHONUNBUFFERED is set: the Makefile sets it."""
+    probe = "buffering-probe: ; @$(PY) -c 'import sys; print(sys.stdout.write_through)'"
+    result = run(["make", "--no-print-directory", "--eval", probe, "buffering-probe"],
+                 env={"PYTHONUNBUFFERED": ""}, timeout=60)  # empty: as if the tests did not set it
+    assert result.stdout.split() == ["True"], result.stdout
+
+
 def test_what_the_tests_start_waits_passively_in_openmp():
     """Two tests share the cores: OpenMP threads spinning while they wait would burn the other test's core."""
     result = run([PYTHON, "-c", "import os; print(os.environ.get('OMP_WAIT_POLICY'))"], timeout=30)

@@ -4,6 +4,7 @@
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -54,7 +55,8 @@ def main():
     parser.add_argument("--snapshot", default="snapshot.pt")
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    train(args)  # the Trainer and its DDP model are gone when train() returns
+    train(args)
+    gc.collect()  # the DDP model sits in reference cycles: free it before the group goes (or a rank may abort)
     dist.destroy_process_group()
 
 
