@@ -218,29 +218,34 @@ def test_gpus_older_than_the_build_are_not_used(monkeypatch):
     assert "THIS RUN USES THE CPU" in report and "Tesla P100 (6.0)" in report
 
 
-def _parser(distributed=True):
-    parser = course.ArgumentParser(prog="x")
-    course.add_common_args(parser, distributed=distributed)
-    return parser
+def _parser():
+    """A training script's flags (common.add_training_flags), with the one-line errors make's preflight gives."""
+    return common.add_training_flags(course.ArgumentParser(prog="x"))
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--dataset", "imagenet"], "invalid choice"),
-    (["--epochs", "0"], "argument --epochs/-e: expected a whole number of at least 1, got '0'"),
-    (["--epochs", "abc"], "argument --epochs/-e: expected a whole number of at least 1, got 'abc'"),
-    (["--batch-size", "-3"], "argument --batch-size/--batch_size/-b: expected a whole number of at least 1"),
-    (["--max-steps", "-1"], "argument --max-steps: expected 0 (off) or a positive whole number"),
-    (["--lr", "nan"], "argument --lr: expected a positive number, got 'nan'"),
-    (["--lr", "0"], "argument --lr: expected a positive number"),
-    (["--timeout", "inf"], "argument --timeout: expected a positive number, got 'inf'"),
+    (["--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["--epochs", "abc"], "argument --epochs/--num_epochs/-e: invalid int value: 'abc'"),
+    (["--batch-size", "-3"], "--batch-size must be at least 1, got -3"),
+    (["--max-steps", "-1"], "--max-steps must be at least 0, got -1"),
+    (["--lr", "nan"], "--lr must be a positive number, got nan"),
+    (["--lr", "0"], "--lr must be a positive number, got 0.0"),
+    (["--timeout", "inf"], "--timeout must be a positive number, got inf"),
     (["--backend", "nccl"], "nccl needs CUDA"),
-    (["--batch-size", "0"], "argument --batch-size/--batch_size/-b: expected a whole number of at least 1"),
-])
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+], ids=["dataset", "epochs-0", "epochs-abc", "batch-size-negative", "max-steps-negative", "lr-nan", "lr-0",
+        "timeout-inf", "nccl-without-gpu", "batch-size-0"])
 def test_bad_arguments_end_in_one_clear_line(argv, message, capsys, monkeypatch):
+    """What make's preflight checks before a launch: the numbers, then the folders and the device."""
+    from tools import preflight
+
     fake_gpus(monkeypatch, 0)
     parser = _parser()
     with pytest.raises(SystemExit) as exc:
-        course.check_args(parser, parser.parse_args(argv))
+        args = parser.parse_args(argv)
+        preflight.check_numbers(parser, args)
+        course.check_args(parser, args)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
@@ -254,12 +259,6 @@ def test_data_dir_that_is_a_file_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         course.check_args(parser, parser.parse_args(["--data-dir", str(not_a_dir)]))
     assert "is not a directory" in capsys.readouterr().err
-
-
-def test_single_process_parser_has_no_backend_flags():
-    args = _parser(distributed=False).parse_args([])
-    assert not hasattr(args, "backend") and not hasattr(args, "timeout")
-    assert (args.epochs, args.batch_size, args.dataset, args.max_steps) == (2, 64, "auto", 0)
 
 
 # ------------------------------------------------------------------ files and ports
@@ -603,7 +602,7 @@ def test_a_mistake_is_said_by_local_rank_0_of_each_node_only(monkeypatch, capsys
     for name, value in (("RANK", rank), ("LOCAL_RANK", local_rank), ("WORLD_SIZE", "4")):
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as ended:
-        course.training_parser("A script.").error("--data-dir /x is not writable")
+        course.ArgumentParser(prog="x").error("--data-dir /x is not writable")
     assert ended.value.code == 2
     assert ("error: --data-dir /x is not writable" in capsys.readouterr().err) is speaks
 

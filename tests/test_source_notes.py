@@ -1,7 +1,7 @@
 """The source notes' own command lines, with the course's scripts: each one runs, or fails in one line that names
-the course's way. Runs are checks only (make's preflight, or COURSE_CHECK_ONLY=1 for the other scripts: the
-flags are parsed and checked, the data prepared, then the script stops), all in one interpreter, so that every
-command costs well under a second.
+the course's way. Runs are checks only (make's preflight: the flags are parsed and checked, the data prepared,
+and nothing is launched; a script that needs no preflight only parses its flags here), all in one interpreter,
+so that every command costs well under a second.
 
 Also the notes' hyperparameters next to the course's: the numbers that the section READMEs' "Differences from the
 source notes" rows give for the course are the scripts' defaults and the constants in their code (read without
@@ -57,15 +57,15 @@ PLAIN = ("mnist_single", "mnist_spawn", "mnist_torchrun", "mnist_tcp", "mnist_am
 
 
 def call(command: str, launched: bool, data_dir: Path, tmp: Path) -> tuple:
-    """The scripts in plain PyTorch (the chain, cifar_resnet.py) are checked by make's preflight; the others check
-    themselves (COURSE_CHECK_ONLY)."""
+    """The scripts in plain PyTorch (the chain, cifar_resnet.py) are checked by make's preflight; the launch script
+    spawn_per_node.py checks its own flags (the one command here ends there, before anything starts)."""
     script, *argv = shlex.split(command)
     argv = [str(tmp / arg) if arg == "saved_models" else arg for arg in argv]  # the blog's folder, not in the repo
     if "spawn_per_node" not in command:
         argv += ["--data-dir", str(data_dir)]
     if Path(script).stem in PLAIN:
         return "tools/preflight.py", [script, *argv], {}
-    return script, argv, {**(LAUNCHED if launched else {}), "COURSE_CHECK_ONLY": "1"}
+    return script, argv, LAUNCHED if launched else {}
 
 
 @pytest.mark.slow

@@ -85,28 +85,6 @@ def _speaks_for_the_job() -> bool:
     return rank == 0 or os.environ.get("LOCAL_RANK") == "0" or not 0 <= rank < size
 
 
-def training_parser(doc: str, *, amp: bool = False, **defaults) -> ArgumentParser:
-    """The parser of a training script: the module docstring's first sentence as description, the shared flags.
-
-    Scripts with mixed precision (amp=True) get --amp and the source notes' --use_mix_precision; the others
-    refuse --use_mix_precision with a pointer to step 6.
-    """
-    parser = ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
-    add_common_args(parser, **defaults)
-    if amp:
-        parser.add_argument("--amp", default="auto", choices=("auto", "off", "fp16", "bf16"),
-                            help="mixed precision; auto = fp16 on CUDA, bf16 on CPU")
-        parser.add_argument("--use_mix_precision", "--use-mix-precision", action="store_const", const="fp16",
-                            dest="amp", help="the source notes' spelling of --amp fp16")
-    else:
-        refuse(parser, "--use_mix_precision", "--use-mix-precision", why="mixed precision is the lesson of step 6: "
-               "06_amp_syncbn/mnist_amp_syncbn.py --use_mix_precision (or --amp fp16)")
-    if not defaults.get("distributed", True):
-        refuse(parser, "-g", "--gpuid", why="one process uses the first visible GPU: choose it with "
-               "CUDA_VISIBLE_DEVICES=N in front of the command (or --device cpu)")
-    return parser
-
-
 def _number(kind, low: float, low_ok: bool, what: str):
     """An argparse type: a finite number of `kind` above `low` (or equal to it when low_ok)."""
     def parse(text: str):
@@ -122,43 +100,7 @@ def _number(kind, low: float, low_ok: bool, what: str):
 
 positive_int = _number(int, 1, True, "a whole number of at least 1")
 
-count_or_zero = _number(int, 0, True, "0 (off) or a positive whole number")
-
 positive_float = _number(float, 0.0, False, "a positive number")
-
-
-def add_common_args(parser: argparse.ArgumentParser, *, family: str = "mnist", epochs: int = 2,
-                    batch_size: int = 64, lr: float = 0.01, distributed: bool = True) -> None:
-    """The flags every training script shares (see the course README for their meaning).
-
-    Their types check the numbers, so that `--lr nan` or `--epochs -1` end in one line of argparse.
-    """
-    parser.family = family  # check_args prepares this family's data under COURSE_CHECK_ONLY=1
-    choices = MNIST_DATASETS if family == "mnist" else CIFAR_DATASETS
-    parser.add_argument("--epochs", "-e", type=positive_int, default=epochs,
-                        help="passes over the training set (default %(default)s)")
-    parser.add_argument("--batch-size", "--batch_size", "-b", type=positive_int, default=batch_size,
-                        help="samples per step per process (default %(default)s)")
-    parser.add_argument("--lr", type=positive_float, default=lr, help="learning rate (default %(default)s)")
-    parser.add_argument("--dataset", default="auto", choices=choices,
-                        help="real data, the offline stand-in, or auto: real when present or downloadable")
-    parser.add_argument("--data-dir", default="data", help="where data sets live (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
-    parser.add_argument("--max-steps", type=count_or_zero, default=0,
-                        help="stop each epoch after this many steps; 0 = whole epoch (for smoke runs)")
-    parser.add_argument("--log-every", type=count_or_zero, default=0,
-                        help="print the training loss every N steps (rank 0); 0 = only once per epoch")
-    parser.add_argument("--checkpoint-dir", default="",
-                        help="write a checkpoint here after every epoch, and continue from it (default: none)")
-    parser.add_argument("--show-shards", action="store_true",
-                        help="print, per rank and epoch, a digest of the samples it trains on (the tests use it)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                        help="auto = CUDA when there is a GPU for every process, else CPU")
-    if distributed:
-        parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                            help="auto = NCCL on CUDA, Gloo on CPU")
-        parser.add_argument("--timeout", type=positive_float, default=60.0,
-                            help="seconds any collective may wait before the job fails (default %(default)s)")
 
 
 def local_rank_arg(text: str) -> int:
@@ -179,26 +121,13 @@ def accept_local_rank(parser: argparse.ArgumentParser) -> None:
                         help="set by the deprecated torch.distributed.launch; LOCAL_RANK wins when set")
 
 
-def refuse(parser: argparse.ArgumentParser, *flags: str, why: str) -> None:
-    """Accept a flag as the source notes spell it, only to say in one line what the course does instead."""
-    class Refuse(argparse.Action):
-        def __call__(self, parser, namespace, values, option_string=None):
-            parser.error(f"{option_string}: {why}")
-
-    parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
-
-
 def check_args(parser: argparse.ArgumentParser, args, *, rank: int = 0, world_size: int = 1, local_rank: int = 0,
                procs_per_node: int = 1) -> tuple[torch.device, str | None]:
     """Check the shared flags and this process's place in the job (PyTorch checks neither the ranks nor a
     file:// --init-method), then choose its device and backend and return them.
 
-    Any mistake ends the program with one line (parser.error) before anything starts.
-    See choose_device for the choice; single-process scripts get backend None.
-
-    With COURSE_CHECK_ONLY=1 in the environment the script stops here, after preparing the data
-    (exit code 0 when everything is usable): the make targets run that once before torchrun starts
-    N processes, so that a mistake is one line, not one traceback per process plus torchrun's summary.
+    Any mistake ends the program with one line (parser.error) before anything starts: make's preflight
+    (tools/preflight.py) runs this once before a launch starts N processes. See choose_device for the choice.
     """
     data_dir = Path(args.data_dir)
     if data_dir.exists() and not data_dir.is_dir():
@@ -213,14 +142,8 @@ def check_args(parser: argparse.ArgumentParser, args, *, rank: int = 0, world_si
             _check_checkpoint_dir(Path(args.checkpoint_dir))
         if getattr(args, "init_method", None):
             _check_init_method(args.init_method)
-        placed = choose_device(args.device, getattr(args, "backend", None), local_rank=local_rank,
-                               procs_per_node=procs_per_node)
-        if os.environ.get("COURSE_CHECK_ONLY") == "1":
-            from tools import data
-
-            data.prepare(args.dataset, args.data_dir, family=getattr(parser, "family", "mnist"))
-            parser.exit(0)
-        return placed
+        return choose_device(args.device, getattr(args, "backend", None), local_rank=local_rank,
+                             procs_per_node=procs_per_node)
     except UsageError as err:
         parser.error(str(err))
 

@@ -195,5 +195,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.pop("COURSE_CHECK_ONLY", None)
     sys.exit(main())
