@@ -7,7 +7,7 @@ import torch
 
 import common
 from harness import PYTHON, REPO, TEST_IMAGES, TORCHRUN, check_trace, make, run, traced
-from tools import course
+from tools import course, tracecheck
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
 
@@ -123,9 +123,12 @@ def test_cifar_resnet_short_run_with_accumulation(tmp_path):
     standins.write_cifar_standin(data / course_data.STANDIN_SUBDIR, sizes=(400, 40))
     res = make("cifar-resnet", "NPROC=2",
                f"ARGS=--dataset cifar10-standin --data-dir {data} --max-steps 2 --accum-steps 2 --batch-size 8 "
-               f"--checkpoint-dir {tmp_path / 'ck'}", timeout=300)
+               f"--checkpoint-dir {tmp_path / 'ck'}", env=traced(tmp_path / "trace"), timeout=300)
     assert res.final["world_size"] == 2 and res.final["test_samples"] == 40, res.tail()
     assert "batch 8 x 2 accumulation per process" in res.stdout, res.tail()
+    # 2 optimizer steps of 2 micro-batches: on every rank, the first micro-batch of each step under no_sync()
+    ranks = tracecheck.load(tmp_path / "trace")
+    assert {rank: sum(e["ev"] == "no_sync" for e in events) for rank, events in ranks.items()} == {0: 2, 1: 2}
     state = torch.load(tmp_path / "ck" / "cifar_resnet.pt", weights_only=True)
     assert state["epoch"] == 1 and "scaler" in state
     group = state["optimizer"]["param_groups"][0]  # SGD with momentum 0.9 and weight decay 5e-4, as the README says

@@ -10,6 +10,7 @@ to DIR/trace-PID.jsonl:
               settings, and every index it will hand out in that pass
     set_epoch DistributedSampler.set_epoch(epoch)
     ddp       a DistributedDataParallel wrap: its settings, and the classes of the model's normalisation layers
+    no_sync   DistributedDataParallel.no_sync(): a backward that keeps its gradients and all-reduces nothing
     digest    when an evaluation starts, at destroy_process_group, and when an optimizer is freed: a CRC-32 of
               the parameters of every optimizer (the trained weights, wrapped in DDP or not) and of the buffers
               of every DDP module
@@ -181,6 +182,7 @@ def install(trace_dir: str) -> None:
                norms=sorted({type(m).__name__ for m in self.module.modules() if "Norm" in type(m).__name__}))
 
     _wrap(DistributedDataParallel, "__init__", after=ddp_made)
+    _wrap(DistributedDataParallel, "no_sync", before=lambda self: record("no_sync"))
     _wrap(torch, "save", before=lambda obj, f, *a, **k: record("save", path=os.path.abspath(
         f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", "?"))))
 
