@@ -454,7 +454,7 @@ def test_common_makes_no_distributed_call():
             assert node.attr != "distributed", f"torch.distributed used at line {node.lineno}"
 
 
-# ------------------------------------------------------------------ checkpoints: continued or refused, never lost
+# ------------------------------------------------------------------ checkpoints: damaged or unwritable, never lost
 
 @pytest.mark.parametrize("damage", ["random", "truncated"])
 def test_a_damaged_checkpoint_is_named_in_one_line_and_left_as_it_is(tmp_path, damage):
