@@ -75,7 +75,8 @@ def device_and_backend(device: str = "auto", backend: str = "auto", local_rank: 
 
     auto: cuda:LOCAL_RANK and NCCL when this machine has a GPU for every process on it, else the CPU and Gloo.
     `--device cuda --backend gloo` with fewer GPUs than processes lets processes share GPUs (cuda:r % GPUs);
-    NCCL refuses that. A run that leaves GPUs unused says so loudly, once per machine.
+    NCCL refuses that, and the CPU: asked for either way, it is a RuntimeError here, before any process group.
+    A run that leaves GPUs unused says so loudly, once per machine.
     """
     gpus = usable_gpus()
     if device == "auto":
@@ -84,6 +85,10 @@ def device_and_backend(device: str = "auto", backend: str = "auto", local_rank: 
         backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda" and gpus == 0:
         raise RuntimeError("--device cuda: no usable CUDA GPU here; use --device cpu")
+    if backend == "nccl" and (device == "cpu" or procs_per_node > gpus):  # NCCL refuses a shared GPU or the CPU
+        why = ("--device cpu" if procs_per_node <= gpus else
+               f"{procs_per_node} process(es) on this machine, {gpus} usable GPU(s)")
+        raise RuntimeError(f"NCCL needs one GPU per process ({why}); use --backend gloo")
     if device == "cpu" and torch.cuda.is_available() and local_rank == 0:
         why = (f"these GPUs are older than this torch build supports: {', '.join(too_old_gpus())}" if not gpus
                else f"{procs_per_node} processes on this machine, {gpus} GPU(s): at most one process per GPU"
@@ -232,8 +237,9 @@ def evaluate(model: nn.Module, loader, device) -> torch.Tensor:
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         out = model(x)
-        totals[0] += (out.argmax(1) == y).sum()
+        y = y.to(out.device)  # nn.DataParallel gathers the outputs on its output_device, maybe another GPU
+        totals[0] += (out.argmax(1) == y).sum().to(device)
         totals[1] += y.numel()
-        totals[2] += F.cross_entropy(out, y, reduction="sum")
+        totals[2] += F.cross_entropy(out, y, reduction="sum").to(device)
     model.train(was_training)
     return totals

@@ -106,14 +106,19 @@ def loss_inside(loader, n, visible):
     batch = next(iter(loader))
     target = torch.randn(len(batch), 2)
     whole = model(batch, target).item()
-    if n <= visible:
-        dp = nn.DataParallel(model.to("cuda:0"), device_ids=list(range(n)))
-        losses = dp(batch.to("cuda:0"), target.to("cuda:0")).cpu()  # a vector: one loss per GPU
+    if n <= visible or (n == 1 and not torch.cuda.is_available()):  # a CPU-only machine: DP calls the model
+        where = "cuda:0" if n <= visible else "cpu"
+        dp = nn.DataParallel(model.to(where), device_ids=list(range(n)) if n <= visible else None)
+        # a vector of one loss per GPU; with one device DataParallel just calls the model: its own 0-dim loss
+        gathered = dp(batch.to(where), target.to(where)).cpu()
     else:  # what the n replicas would compute: the same arithmetic, piece by piece
-        losses = torch.stack([model(x, t) for x, t in zip(batch.chunk(n), target.chunk(n), strict=True)])
+        gathered = torch.stack([model(x, t) for x, t in zip(batch.chunk(n), target.chunk(n), strict=True)])
+    losses = gathered.reshape(-1)  # one loss per device, also when there is one
     sizes = [len(piece) for piece in batch.chunk(n)]
-    print(f"pieces of {sizes} samples on {n} GPU(s){'' if n <= visible else ' (simulated)'}", flush=True)
-    print(f"gathered losses: {[round(v, 4) for v in losses.tolist()]} (shape {list(losses.shape)})", flush=True)
+    print(f"pieces of {sizes} samples on {n} GPU(s){'' if n <= visible else ' (simulated)'}"
+          f"{'; one device: DataParallel returns the loss as the model does, nothing gathered' if n == 1 else ''}",
+          flush=True)
+    print(f"gathered losses: {[round(v, 4) for v in losses.tolist()]} (shape {list(gathered.shape)})", flush=True)
     print(f"loss.mean() = {losses.mean().item():.4f}; the loss of the whole batch = {whole:.4f}"
           f"{'' if len(set(sizes)) == 1 else '; they differ: the pieces are not all the same size'}", flush=True)
 

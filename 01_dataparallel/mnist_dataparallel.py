@@ -38,8 +38,9 @@ def train(args, device, rank=0, world_size=1):
     net = common.ConvNet().to(device)
     # without a usable GPU there is nothing to split, and the plain model trains
     model = nn.DataParallel(net, device_ids=gpus, output_device=args.output_device) if gpus else net  # DP: wrap
-    if gpus:
-        print(f"nn.DataParallel over GPUs {gpus}: each batch of {args.batch_size} is split {len(gpus)} ways")
+    if gpus:  # with one GPU DataParallel just calls the model there: nothing to split
+        print(f"nn.DataParallel over GPUs {gpus}: " + (f"each batch of {args.batch_size} is split {len(gpus)} ways"
+                                                       if len(gpus) > 1 else "one GPU, nothing is split"))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     path = os.path.join(args.checkpoint_dir, "mnist_dataparallel.pt") if args.checkpoint_dir else ""
     start_epoch = 0
@@ -60,7 +61,8 @@ def train(args, device, rank=0, world_size=1):
             if args.max_steps and step == args.max_steps:  # --max-steps: a short epoch (smoke runs, CI)
                 break
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            loss = F.cross_entropy(model(images), labels)  # DP: split, run on every GPU, gathered
+            out = model(images)  # DP: split, run on every GPU, gathered on --output-device
+            loss = F.cross_entropy(out, labels.to(out.device))  # DP: the labels go where the outputs were gathered
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

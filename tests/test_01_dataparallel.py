@@ -52,16 +52,49 @@ def test_dp_shapes_prints_the_split():
     assert "Outside: input size [10, 5] output size [10, 2]" in out
 
 
-@pytest.mark.slow
-def test_make_dataparallel_trains_and_saves_a_plain_state_dict(data_dir, tmp_path):
-    res = make("dataparallel", "EPOCHS=1",
-               f"ARGS=--dataset mnist-standin --data-dir {data_dir} --max-steps 60 --checkpoint-dir {tmp_path}")
+def dataparallel_run(data_dir, tmp_path, env=None, args=""):
+    res = make("dataparallel", "EPOCHS=1", f"ARGS=--dataset mnist-standin --data-dir {data_dir} --max-steps 60 "
+               f"--checkpoint-dir {tmp_path} {args}", env=env)
     assert res.final["test_samples"] == TEST_IMAGES and res.final["world_size"] == 1
     assert res.final["test_acc"] > 0.5
-    gpus = course.gpu_count()
-    assert f"split {gpus} ways" in res.stdout if gpus > 1 else "nothing is split" in res.stdout
-    state = torch.load(tmp_path / "mnist_dataparallel.pt", weights_only=True)
+    state = torch.load(tmp_path / "mnist_dataparallel.pt", weights_only=True, map_location="cpu")
     common.ConvNet().load_state_dict(state["model"])  # no "module." prefix
+    return res
+
+
+@pytest.mark.slow
+def test_make_dataparallel_trains_and_saves_a_plain_state_dict(data_dir, tmp_path):
+    res = dataparallel_run(data_dir, tmp_path, env=NO_GPU)  # the CPU path on any machine
+    assert "nothing is split" in res.stdout and "nn.DataParallel over" not in res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+def test_make_dataparallel_on_the_gpus_present(data_dir, tmp_path):
+    gpus = course.gpu_count()
+    res = dataparallel_run(data_dir, tmp_path)
+    assert f"nn.DataParallel over GPUs {list(range(gpus))}: " + (
+        f"each batch of 64 is split {gpus} ways" if gpus > 1 else "one GPU, nothing is split") in res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multigpu
+def test_make_dataparallel_gathers_on_another_output_device(data_dir, tmp_path):
+    """--output-device 1: the outputs are gathered on cuda:1, the labels go there too (training and evaluation)."""
+    res = dataparallel_run(data_dir, tmp_path, args="--gpus 0,1 --output-device 1")
+    assert "nn.DataParallel over GPUs [0, 1]: each batch of 64 is split 2 ways" in res.stdout
+
+
+@pytest.mark.multigpu
+def test_evaluate_counts_outputs_gathered_on_another_gpu(data_dir):
+    torch.manual_seed(0)
+    net = common.ConvNet().eval()
+    test_set = torch.utils.data.Subset(common.load_dataset("mnist-standin", data_dir, train=False), range(500))
+    on_cpu = common.evaluate(net, course.batch_loader(test_set, 100), "cpu")
+    dp = nn.DataParallel(net.to("cuda:0"), device_ids=[0, 1], output_device=1)
+    on_gpus = common.evaluate(dp, course.batch_loader(test_set, 100), torch.device("cuda:0"))
+    assert on_gpus.device == torch.device("cuda:0") and on_gpus[1].item() == 500
+    assert abs(on_gpus[0].item() - on_cpu[0].item()) <= 3  # cuDNN (TF32) may flip an argmax or two
 
 
 def test_gpus_too_old_for_the_build_leave_dataparallel_out_of_the_cpu_run(monkeypatch, data_dir, capsys):
@@ -119,6 +152,23 @@ def test_loss_inside_forward_gathers_one_loss_per_gpu_and_mean_weighs_pieces_equ
     assert abs(mean - sum(losses) / 4) < 2e-4  # the plain mean of the gathered vector
     weighted = sum(n * v for n, v in zip(sizes, losses, strict=True)) / sum(sizes)
     assert abs(weighted - whole) < 2e-4 and abs(mean - whole) > 1e-3  # the whole batch weighs by size
+
+
+def test_loss_inside_with_one_device_is_the_models_own_0_dim_loss():
+    """One device: DataParallel calls the model and gathers nothing, so the loss stays 0-dim (without a GPU,
+    DataParallel calls the model the same way). The script shows it instead of failing on a 0-dim loss."""
+    out = run([PYTHON, "01_dataparallel/dataparallel_shapes.py", "--gpus", "1", "--loss-inside"], env=NO_GPU).stdout
+    assert "one device: DataParallel returns the loss as the model does" in out
+    assert re.search(r"gathered losses: \[[-\d.]+\] \(shape \[\]\)", out), out
+    mean, whole = re.search(r"loss\.mean\(\) = ([\d.]+); the loss of the whole batch = ([\d.]+)$", out, re.M).groups()
+    assert mean == whole
+
+
+@pytest.mark.cuda
+def test_loss_inside_on_one_gpu():
+    out = python("01_dataparallel/dataparallel_shapes.py", "--gpus", "1", "--loss-inside").stdout
+    assert "on 1 GPU(s); one device" in out and "simulated" not in out
+    assert re.search(r"gathered losses: \[[-\d.]+\] \(shape \[\]\)", out), out
 
 
 @pytest.mark.cuda

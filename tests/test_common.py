@@ -188,6 +188,25 @@ def test_processes_share_gpus_only_with_gloo_and_cuda_asked_for(monkeypatch):
     assert placed == [0, 1, 0, 1], "local rank r uses cuda:r % GPUs"
 
 
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_the_scripts_device_choice_refuses_nccl_without_a_gpu_per_process(monkeypatch, gpus):
+    """common.device_and_backend, which the scripts call (torchrun by hand has no preflight): NCCL with more
+    processes than GPUs, or on the CPU, is one line before any process group, not torch's error from inside it."""
+    fake_gpus(monkeypatch, gpus)
+    procs = gpus + 1
+    refused = [("auto", "nccl", procs), ("cpu", "nccl", 1)] + ([("cuda", "auto", procs), ("cuda", "nccl", procs)]
+                                                                if gpus else [])
+    for device, backend, n in refused:
+        with pytest.raises(RuntimeError, match=r"^NCCL needs one GPU per process \((" + f"{n} process\\(es\\) on "
+                           f"this machine, {gpus} usable GPU\\(s\\)|--device cpu)\\); use --backend gloo$"):
+            common.device_and_backend(device, backend, local_rank=0, procs_per_node=n)
+    cpu = torch.device("cpu")
+    assert common.device_and_backend("auto", "auto", 0, procs) == (cpu, "gloo")  # auto falls back, NOTE printed
+    if gpus:  # what still works: one GPU per process with NCCL, processes sharing GPUs through Gloo
+        assert common.device_and_backend("auto", "nccl", gpus - 1, gpus) == (torch.device("cuda", gpus - 1), "nccl")
+        assert common.device_and_backend("cuda", "gloo", procs - 1, procs) == (torch.device("cuda", 0), "gloo")
+
+
 def test_runtime_report_names_the_build_and_says_loudly_when_gpus_go_unused(monkeypatch):
     fake_gpus(monkeypatch, 0)
     monkeypatch.setattr(course.shutil, "which", lambda name: None)
