@@ -127,8 +127,9 @@ ddp-timeline: $(STAMP) check-nproc ## see DDP's all-reduce overlap backward: per
 # --local-addr: single-node jobs never depend on this machine's host name resolving (it may not)
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --local-addr 127.0.0.1 --nproc-per-node $(NPROC)
 ELASTIC  ?= runs/elastic
-# the failure demo: rank FAIL_RANK fails at this training batch (counted over epochs) on the first attempt only
-FAIL_AT  ?= 250
+# the failure demo: rank FAIL_RANK fails at this training batch (counted over epochs) on the first attempt only;
+# mid: the middle batch of the last epoch, whatever the data set size, NPROC and batch size (tools/tracer.py)
+FAIL_AT  ?= mid
 FAIL_RANK ?= $(if $(filter 1,$(NPROC)),0,1)
 
 ddp-torchrun: $(STAMP) check-nproc ## MNIST with DDP, NPROC processes started by torchrun (the headline run)
@@ -145,7 +146,7 @@ elastic-restart: $(STAMP) check-nproc ## a worker crashes once, torchrun restart
 	@rm -rf $(ELASTIC)
 	@echo "--- 1/3 an uninterrupted run"
 	$(TORCHRUN) 03_ddp_torchrun/mnist_torchrun.py --checkpoint-dir $(ELASTIC)/straight $(DIST_ARGS)
-	@echo "--- 2/3 the same run; rank $(FAIL_RANK) fails at training batch $(FAIL_AT) (injected from outside by the"
+	@echo "--- 2/3 the same run; rank $(FAIL_RANK) fails at $(if $(filter mid,$(FAIL_AT)),the middle of the last epoch,training batch $(FAIL_AT)) (injected from outside by the"
 	@echo "    course's tracer), torchrun restarts the group (--max-restarts 1) and it resumes from its checkpoint"
 	COURSE_TRACE=$(ELASTIC)/trace PYTHONPATH=tools/trace COURSE_FAIL_AT=$(FAIL_RANK):$(FAIL_AT) \
 	TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$(if $(filter off,$(COURSE_WORKAROUNDS)),0,1) \

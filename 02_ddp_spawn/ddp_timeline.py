@@ -138,7 +138,7 @@ def add_lane(trace_path, steps, marks):
     """Put the hook's buckets and the compute phases into the profiler's trace, on the profiler's clock."""
     trace = json.loads(Path(trace_path).read_text())
     events = trace["traceEvents"]
-    starts = {e["name"]: e for e in events if e.get("name", "").startswith("timeline step ") and e.get("ph") == "X"}
+    starts = step_marks(events)
     pid = starts["timeline step 0"]["pid"]
     added = [{"ph": "M", "name": "thread_name", "pid": pid, "tid": LANE,
               "args": {"name": "DDP timeline (compute phases, all-reduced buckets)"}}]
@@ -153,6 +153,14 @@ def add_lane(trace_path, steps, marks):
                                 bytes=nbytes))
     trace["traceEvents"] = events + added
     course.atomic_write_bytes(json.dumps(trace).encode(), trace_path)
+
+
+def step_marks(events) -> dict:
+    """The "timeline step N" ranges as the host recorded them, by name. On CUDA the profiler also writes a GPU-side
+    copy of every record_function range (category gpu_user_annotation, on the GPU's own lane and clock); our
+    marks are host times, so only the CPU-side one (user_annotation) gives the offset."""
+    return {e["name"]: e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+            and e.get("name", "").startswith("timeline step ")}
 
 
 def _event(name, start, end, offset, pid, cat, **extra):

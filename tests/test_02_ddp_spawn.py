@@ -167,12 +167,39 @@ def test_resume_on_a_gpu(copied, data_dir):
         assert torch.allclose(value.double(), resumed["model"][key].double(), rtol=0, atol=1e-5), key
 
 
-def test_timeline_on_cuda_reports_step_times_and_not_the_queued_all_reduce_times():
+def timeline_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ddp_timeline", REPO / "02_ddp_spawn/ddp_timeline.py")
     timeline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(timeline)
+    return timeline
+
+
+def test_timeline_lane_is_placed_by_the_host_side_step_mark_not_the_gpu_copy(tmp_path):
+    """On CUDA the profiler writes each record_function range twice: on the host (user_annotation) and on the
+    GPU's lane (gpu_user_annotation, another pid and clock). The added lane follows the host one, whichever comes
+    last in the file."""
+    timeline = timeline_module()
+    cpu = {"ph": "X", "cat": "user_annotation", "name": "timeline step 0", "pid": 4242, "tid": 4242, "ts": 1000.0,
+           "dur": 50.0}
+    gpu = {**cpu, "cat": "gpu_user_annotation", "pid": 0, "tid": 7, "ts": 9000.0}
+    trace = tmp_path / "trace.json"
+    for events in ([cpu, gpu], [gpu, cpu]):
+        trace.write_text(json.dumps({"traceEvents": events}))
+        steps = [{"phases": [("forward", 10.0, 10.00001)], "buckets": [(0, 10.000002, 10.000004, 64)]}]
+        timeline.add_lane(trace, steps, marks=[10.0])
+        added = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("tid") == timeline.LANE]
+        assert added and {e["pid"] for e in added} == {4242}, added
+        forward = next(e for e in added if e["name"] == "forward (step 0)")
+        assert forward["ts"] == pytest.approx(1000.0) and forward["dur"] == pytest.approx(10.0)
+        bucket = next(e for e in added if e.get("cat") == "allreduce")
+        assert bucket["ts"] == pytest.approx(1002.0)
+    assert timeline.step_marks([gpu]) == {}
+
+
+def test_timeline_on_cuda_reports_step_times_and_not_the_queued_all_reduce_times():
+    timeline = timeline_module()
     # one rank, one step: forward 0-1, backward 1-4 (compute until 3), optimizer 4-5; a bucket 2-3.5
     every = [[{"phases": [("forward", 0.0, 1.0), ("backward", 1.0, 4.0, 3.0), ("optimizer", 4.0, 5.0)],
                "buckets": [(0, 2.0, 3.5, 1024)]}]]
@@ -189,7 +216,9 @@ def test_timeline_on_cuda_reports_step_times_and_not_the_queued_all_reduce_times
 def test_timeline_all_reduce_overlaps_backward_only_with_several_buckets(tmp_path):
     # ResNet-18 has ~45 MB of gradients: several buckets by default, one with bucket_cap_mb=10000
     # one warm-up step: DDP has built its buckets in the order of the first backward by the second step
-    out = make("ddp-timeline", "NPROC=2", f"ARGS=--models resnet18 --steps 2 --warmup 1 --batch-size 8 "
+    # --device cpu: the overlap is measured on the host, which sees when CPU work ran; on CUDA it sees only when
+    # work was queued, and the script reports no overlap there (the cuda test below)
+    out = make("ddp-timeline", "NPROC=2", f"ARGS=--device cpu --models resnet18 --steps 2 --warmup 1 --batch-size 8 "
                f"--output-dir {tmp_path}", timeout=240).stdout
     for rank in (0, 1):
         seen = {}
@@ -223,3 +252,25 @@ def test_timeline_all_reduce_overlaps_backward_only_with_several_buckets(tmp_pat
     assert summary["resnet18/one-bucket"]["hidden_share"] == 0
     assert (tmp_path / "timeline_resnet18.png").stat().st_size > 10_000
     assert re.search(r"resnet18 +default +step", out), out
+
+
+@pytest.mark.slow
+@pytest.mark.multigpu
+def test_timeline_on_gpus_reports_step_times_and_places_its_lane_on_the_host(tmp_path):
+    out = make("ddp-timeline", "NPROC=2", f"ARGS=--device cuda --models convnet --steps 2 --warmup 1 "
+               f"--output-dir {tmp_path}", timeout=240).stdout
+    summary = json.loads((tmp_path / "timeline.json").read_text())
+    assert summary["config"]["device"] == "cuda" and summary["config"]["backend"] == "nccl"
+    for result in summary["results"].values():
+        assert result["step_s"] > 0 and result["hidden_share"] is None and result["allreduce_s"] is None
+    assert "not measured on CUDA" in out
+    timeline = timeline_module()
+    for rank in (0, 1):
+        events = json.loads((tmp_path / "traces" / f"convnet_default_rank{rank}.json").read_text())["traceEvents"]
+        assert any(e.get("cat") == "gpu_user_annotation" and e.get("name") == "timeline step 0" for e in events), \
+            "no GPU-side copy of the step mark: this test would not check the matcher"
+        host = timeline.step_marks(events)["timeline step 0"]
+        lane = [e for e in events if e.get("tid") == timeline.LANE and e.get("ph") == "X"]
+        assert lane and {e["pid"] for e in lane} == {host["pid"]}
+        first = min(e["ts"] for e in lane if e["name"].endswith("(step 0)"))
+        assert host["ts"] - 1_000 <= first <= host["ts"] + host["dur"]  # within the host's step 0, microseconds

@@ -20,12 +20,16 @@ to DIR/trace-PID.jsonl:
 
 Two switches for the harness, both off unless set: COURSE_TRACE_MAX_BATCHES=N ends every training pass after N
 batches (a short run of a user's script), and COURSE_FAIL_AT=RANK:BATCH makes that rank fail when it fetches
-training batch number BATCH (counted over epochs) on torchrun's first attempt (the elastic restart demo).
+training batch number BATCH (counted over epochs) on torchrun's first attempt (the elastic restart demo). BATCH
+`mid` is the middle batch of the last epoch (the script's parsed --epochs and --max-steps; epoch 2 when it has no
+--epochs), counted from the batches this process really fetches, so it falls in that epoch whatever the data set
+size, the number of processes and the batch size.
 tools/tracecheck.py reads the records and judges them.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -33,7 +37,7 @@ import time
 import weakref
 import zlib
 
-_state = {"dir": None, "pid": None, "file": None, "batches": 0}
+_state = {"dir": None, "pid": None, "file": None, "batches": 0, "passes": 0, "args": {}}
 _optimizers: weakref.WeakSet = weakref.WeakSet()
 _ddps: weakref.WeakSet = weakref.WeakSet()
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
@@ -113,18 +117,31 @@ class _Watched:
                batches=len(items), dataset_len=_len(dataset), loader=id(self._loader),
                batch_size=getattr(self._loader, "batch_size", None))
         limit = int(os.environ.get("COURSE_TRACE_MAX_BATCHES", "0") or 0)
-        fail = os.environ.get("COURSE_FAIL_AT", "")
+        fail = os.environ.get("COURSE_FAIL_AT", "") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else ""
+        if train:
+            _state["passes"] += 1
+            fetched = [n for n in (len(items), limit, _state["args"].get("max_steps")) if n]
+            rank, batch = fail.split(":") if fail else (None, None)
+            batch = fail_batch(batch, _state["args"].get("epochs"), _state["batches"], _state["passes"],
+                               min(fetched)) if fail else None
         for n, item in enumerate(items):
             if train and limit and n >= limit:
                 return
             if train:
                 _state["batches"] += 1
-                if fail and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-                    rank, batch = (int(x) for x in fail.split(":"))
-                    if _rank() == rank and _state["batches"] == batch:
-                        raise RuntimeError(f"simulated failure of rank {rank} at training batch {batch} "
-                                           f"(COURSE_FAIL_AT={fail})")
+                if batch is not None and _rank() == int(rank) and _state["batches"] == batch:
+                    raise RuntimeError(f"simulated failure of rank {rank} at training batch {batch} "
+                                       f"(COURSE_FAIL_AT={fail})")
             yield item
+
+
+def fail_batch(spec: str, epochs, done: int, this_pass: int, pass_batches: int):
+    """COURSE_FAIL_AT's BATCH as a training batch number counted over epochs from 1: a number as it is; `mid`, the
+    middle of the last of `epochs` (2 when None) passes, decided when that pass starts (`this_pass`, counted from
+    1, after `done` batches, with `pass_batches` to come), else None."""
+    if spec != "mid":
+        return int(spec)
+    return done + pass_batches // 2 + 1 if this_pass == (epochs or 2) else None
 
 
 def _len(dataset):
@@ -164,6 +181,8 @@ def install(trace_dir: str) -> None:
     index_sampler = DataLoader._index_sampler
     DataLoader._index_sampler = property(lambda self: _Watched(index_sampler.fget(self), self))
     _wrap(DistributedSampler, "set_epoch", before=lambda self, epoch: record("set_epoch", epoch=int(epoch)))
+    _wrap(argparse.ArgumentParser, "parse_known_args", after=lambda out, *a, **k: _state["args"].update(
+        {key: value for key, value in vars(out[0]).items() if key in ("epochs", "max_steps") and type(value) is int}))
     _wrap(torch.optim.Optimizer, "__init__", after=lambda _, self, *a, **k: _optimizers.add(self))
 
     def optimizer_freed(self):  # the trained weights, seen as the last reference to them goes (a train() returns)
