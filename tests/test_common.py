@@ -9,6 +9,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -135,6 +136,86 @@ def test_real_dataset_without_data_or_network_says_what_to_do(tmp_path, monkeypa
     monkeypatch.setattr(data, "try_download", lambda *a, **k: "URLError: no network")
     with pytest.raises(course.UsageError, match="make data.*mnist-standin"):
         common.prepare_data("mnist", tmp_path)
+
+
+def copied_project(monkeypatch):
+    """common.py copied into a project of its own: no tools/ package to import. Returns the torchvision classes
+    prepare_data constructs there, as (class name, root, train, download) calls, downloading nothing."""
+    import torchvision
+
+    monkeypatch.setitem(sys.modules, "tools", None)  # `from tools import data` raises ModuleNotFoundError
+    calls = []
+    for name in ("MNIST", "CIFAR10"):
+        monkeypatch.setattr(torchvision.datasets, name, lambda root, train, download, name=name:
+                            calls.append((name, root, train, download)))
+    return calls
+
+
+@pytest.mark.parametrize("dataset, family", [("mnist-standin", "mnist"), ("cifar10-standin", "cifar10")])
+def test_a_copied_common_uses_a_standin_on_disk_and_downloads_nothing(tmp_path, monkeypatch, dataset, family):
+    (standins.write_mnist_standin if family == "mnist" else standins.write_cifar_standin)(
+        tmp_path / data.STANDIN_SUBDIR, sizes=(20, 10))
+    calls = copied_project(monkeypatch)
+    assert common.prepare_data(dataset, tmp_path, family) == dataset
+    assert common.prepare_data(dataset, tmp_path, family, download=False) == dataset
+    assert calls == []  # not CIFAR-10's download, whatever the stand-in
+    assert len(common.load_dataset(dataset, tmp_path, train=False)) == 10
+
+
+def test_a_copied_common_without_the_standin_says_where_it_comes_from(tmp_path, monkeypatch):
+    calls = copied_project(monkeypatch)
+    for dataset, real in (("mnist-standin", "mnist"), ("cifar10-standin", "cifar10")):
+        with pytest.raises(RuntimeError, match=re.escape(f"--dataset {dataset}: not in {tmp_path / 'standin'}. The "
+                                                         f"stand-in is written by the course's tools/; copy its files "
+                                                         f"or use --dataset {real}")):
+            common.prepare_data(dataset, tmp_path, real)
+    assert calls == []
+
+
+def test_a_copied_common_downloads_each_real_dataset_with_its_own_class(tmp_path, monkeypatch):
+    calls = copied_project(monkeypatch)
+    assert common.prepare_data("mnist", tmp_path) == "mnist"
+    assert common.prepare_data("auto", tmp_path, "cifar10") == "cifar10"
+    assert common.prepare_data("cifar10", tmp_path, "cifar10", download=False) == "cifar10"
+    root = str(tmp_path)
+    assert calls == [("MNIST", root, True, True), ("MNIST", root, False, True),
+                     ("CIFAR10", root, True, True), ("CIFAR10", root, False, True)]
+    assert (tmp_path / ".download.lock").exists()  # the machines sharing the folder took turns on it
+
+
+PREPARE_AT = """
+import sys, time
+from tools import data
+start = float(sys.argv[2])
+time.sleep(max(0.0, start - time.time()))  # both start at once, whatever their imports cost
+print("prepared", data.prepare("mnist-standin", sys.argv[1]), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_machines_preparing_one_shared_folder_take_turns(tmp_path):
+    """Two nodes' local rank 0 write the stand-in into one shared data folder at the same moment: the lock makes
+    the second wait, then find it complete. Exactly one writes, and the files are those of a run alone."""
+    import time
+
+    shared, alone = tmp_path / "shared", tmp_path / "alone"
+    start = time.time() + 8
+    procs = [subprocess.Popen([PYTHON, "-c", PREPARE_AT, str(shared), str(start)], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("prepared mnist-standin" in out for out in outs), outs
+    assert sum("generated the mnist-standin" in out for out in outs) == 1, outs  # the other found it written
+    data.prepare("mnist-standin", alone, quiet=True)
+    files = sorted(p.relative_to(alone) for p in (alone / data.STANDIN_SUBDIR).rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(shared) for p in (shared / data.STANDIN_SUBDIR).rglob("*")
+                                     if p.is_file())
+    for name in files:
+        assert (shared / name).read_bytes() == (alone / name).read_bytes(), name
 
 
 # ------------------------------------------------------------------ device and backend

@@ -6,6 +6,7 @@ rank 0 while the others wait at a barrier); it may download or generate files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,11 @@ import time
 from pathlib import Path
 
 from tools.course import UsageError, atomic_write_bytes, say
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; one machine per data folder there
+    fcntl = None
 
 STANDIN_SUBDIR = "standin"  # the offline stand-ins live in DATA_DIR/standin (standins.py writes them)
 
@@ -29,6 +35,9 @@ REAL_FILES = {"mnist": [f"MNIST/raw/{split}-{kind}" for split in ("train", "t10k
 OFFLINE_MEMORY_S = 3600  # after a failed download, `auto` does not try again for an hour
 
 
+LOCK = ".download.lock"  # in DATA_DIR: one prepare() at a time, also across nodes that share the folder
+
+
 def prepare(dataset: str, data_dir, family: str = "mnist", quiet: bool = False) -> str:
     """Make sure the data exists on disk; return the concrete data set name used.
 
@@ -36,8 +45,30 @@ def prepare(dataset: str, data_dir, family: str = "mnist", quiet: bool = False) 
     wait: it may download or generate files. `auto` takes real data when it is present or can be
     downloaded, otherwise the offline stand-in, and says so loudly. A missing or damaged stand-in file is
     written again; a folder that cannot be written, or real data that cannot be had, ends in one line
-    (UsageError) saying what to do.
+    (UsageError) saying what to do. Several machines sharing DATA_DIR (a cluster's shared file system) take
+    turns: torchvision's downloads are not atomic, so the second waits for the first, then finds the data.
     """
+    with locked(data_dir):
+        return _prepare(dataset, data_dir, family, quiet)
+
+
+@contextlib.contextmanager
+def locked(data_dir):
+    """Hold an exclusive lock on DATA_DIR/.download.lock. Where there is none to be had (a read-only folder, a file
+    system without flock), go on without: the checks that follow then say what is wrong, or find the data."""
+    try:
+        Path(data_dir).mkdir(parents=True, exist_ok=True)
+        lock = open(Path(data_dir) / LOCK, "a")  # noqa: SIM115 - closed below, which also releases the lock
+    except OSError:
+        lock = None
+    with lock or contextlib.nullcontext():
+        if lock and fcntl:
+            with contextlib.suppress(OSError):
+                fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _prepare(dataset: str, data_dir, family: str, quiet: bool) -> str:
     if dataset != "auto":
         family = family_of(dataset)
     data_dir = Path(data_dir)
