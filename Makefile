@@ -16,6 +16,11 @@ ifeq ($(origin PY),command line)
 STAMP  := existing-python
 endif
 PYABS  := $(if $(findstring /,$(PY)),$(abspath $(PY)),$(PY))
+# Every process make starts finds the course's modules (`import common`, `tools`), whatever the interpreter: torchrun's
+# workers, mp.spawn's children, the launch scripts and a Slurm job are fresh interpreters that do not share the
+# preflight's sys.path, and an interpreter of a cluster or a container has no editable install of the course.
+space := $(subst ,, )
+export PYTHONPATH := $(subst $(space),:,$(strip $(CURDIR) $(filter-out $(CURDIR),$(subst :, ,$(PYTHONPATH)))))
 # every line reaches a log file or a pipe when it is printed: Python buffers its output when that is not a
 # terminal, so `make ddp-torchrun > log` would otherwise show the epochs' lines only at the end
 export PYTHONUNBUFFERED := 1
@@ -53,7 +58,8 @@ PREFLIGHT = $(PY) tools/preflight.py --nproc $(NPROC)
         multinode-tcp multinode-file multinode-torchrun multinode-spawn multinode-netns check-nnodes \
         collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo errors doctor \
         amp-syncbn syncbn-proof grad-accum cifar-resnet \
-        bench bench-quick bench-throughput bench-amp bench-buckets bench-allreduce bench-hooks bench-versions gpu-check
+        bench bench-quick bench-throughput bench-amp bench-buckets bench-allreduce bench-hooks bench-versions gpu-check \
+        compat
 
 help: ## list the targets
 	@echo "usage: make TARGET [NPROC=$(NPROC)] [EPOCHS=..] [DATASET=auto|mnist|mnist-standin] [BACKEND=gloo|nccl] [ARGS='...']"
@@ -148,7 +154,7 @@ elastic-restart: $(STAMP) check-nproc ## a worker crashes once, torchrun restart
 	$(TORCHRUN) 03_ddp_torchrun/mnist_torchrun.py --checkpoint-dir $(ELASTIC)/straight $(DIST_ARGS)
 	@echo "--- 2/3 the same run; rank $(FAIL_RANK) fails at $(if $(filter mid,$(FAIL_AT)),the middle of the last epoch,training batch $(FAIL_AT)) (injected from outside by the"
 	@echo "    course's tracer), torchrun restarts the group (--max-restarts 1) and it resumes from its checkpoint"
-	COURSE_TRACE=$(ELASTIC)/trace PYTHONPATH=tools/trace COURSE_FAIL_AT=$(FAIL_RANK):$(FAIL_AT) \
+	COURSE_TRACE=$(ELASTIC)/trace PYTHONPATH=tools/trace:$(PYTHONPATH) COURSE_FAIL_AT=$(FAIL_RANK):$(FAIL_AT) \
 	TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$(if $(filter off,$(COURSE_WORKAROUNDS)),0,1) \
 	  $(TORCHRUN) --max-restarts 1 03_ddp_torchrun/mnist_torchrun.py --checkpoint-dir $(ELASTIC)/recovered $(DIST_ARGS)
 	@$(PY) tools/tracecheck.py $(ELASTIC)/trace --expect-restart --quiet
@@ -283,6 +289,12 @@ bench-versions: $(STAMP) ## this version vs an older one (OLD=commit) on the CPU
 	@test -n "$(OLD)" || { echo "error: give the older version, e.g. make bench-versions OLD=7cfce49" >&2; exit 2; }
 	$(PY) bench/versions.py --old $(OLD) --output-dir $(BENCH_OUT) $(QUICK) $(ARGS)
 
+TORCH ?=
+RECORD ?=
+compat: ## TORCH=2.11.0: the course on another torch (a side .venv-torch2.11.0 from the index); RECORD=1 keeps it
+	@test -n "$(TORCH)" || { echo "error: name the torch release: make compat TORCH=2.11.0" >&2; exit 2; }
+	$(PYTHON) tools/compat.py --torch $(TORCH) $(if $(RECORD),--record)
+
 gpu-check: $(STAMP) ## on a GPU machine: the GPU tests, every target on CUDA, GPU figures -> bench/results/gpu_check_*
 	$(PY) bench/gpu_check.py --output-dir bench/results $(ARGS)
 
@@ -291,9 +303,14 @@ gpu-check: $(STAMP) ## on a GPU machine: the GPU tests, every target on CUDA, GP
 PYTEST := $(PY) -m pytest
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
+# With PY=..., an interpreter that lacks ruff or nbval runs the rest: lint and the notebooks are skipped, each with a line
 test: $(STAMP) ## lint, then everything that runs on CPU: unit, multi-process and notebook tests (CI runs this)
-	$(PY) -m ruff check .
-	$(PYTEST) $$($(PY) -c 'import xdist' 2>/dev/null && echo "-n 2") tests notebooks $(NBVAL)
+	@$(PY) -c 'import pytest' 2>/dev/null || { echo "error: $(PY) has no pytest: install pytest into it (pytest-timeout and pytest-xdist help)" >&2; exit 2; }
+	@if $(PY) -m ruff --version >/dev/null 2>&1; then echo "$(PY) -m ruff check ."; $(PY) -m ruff check .; \
+	  else echo "lint skipped: $(PY) has no ruff"; fi
+	@nb=$$($(PY) -c 'import nbval' 2>/dev/null && echo "notebooks $(NBVAL)") || echo "notebooks skipped: $(PY) has no nbval"; \
+	  xd=$$($(PY) -c 'import xdist' 2>/dev/null && echo "-n 2"); \
+	  echo "$(PYTEST) $$xd tests $$nb"; $(PYTEST) $$xd tests $$nb
 
 test-fast: $(STAMP) ## the quick subset for the edit loop (no slow multi-process runs, no notebooks)
 	$(PYTEST) tests -m "not slow"

@@ -10,6 +10,7 @@
 # If any process fails, the others are stopped at once. PYTHON picks the interpreter (default: python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # every rank imports common.py from here, with any interpreter
 
 method=${1:-}; nnodes=${2:-}; nproc=${3:-}
 if [[ ! $method =~ ^(tcp|file)$ || ! $nnodes =~ ^[1-9][0-9]*$ || ! $nproc =~ ^[1-9][0-9]*$ ]]; then

@@ -13,6 +13,7 @@
 # as on a real one); with fewer GPUs than processes all of them run on the CPU, and a NOTE says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # every rank imports common.py from here, with any interpreter
 
 mode=${1:-}; nnodes=${2:-}; nproc=${3:-}
 if [[ ! $mode =~ ^(static|c10d)$ || ! $nnodes =~ ^[1-9][0-9]*$ || ! $nproc =~ ^[1-9][0-9]*$ ]]; then

@@ -24,6 +24,9 @@ import torch.distributed as dist
 import benchlib
 from tools import course
 
+# torch 2.13's names; torch 2.11 has only the older all_gather_into_tensor and reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
               "ring_p2p": lambda n: 2 * (n - 1) / n}  # the same work as all_reduce
@@ -88,9 +91,9 @@ def op_runner(name, nbytes, ws, device):
         return lambda: ring_all_reduce(chunks, dist.get_rank(), ws, scratch)
     if name == "all_gather":  # nbytes is the output size, as nccl-tests counts it
         out, part = torch.empty(n - n % ws, device=device), torch.ones((n - n % ws) // ws, device=device)
-        return lambda: dist.all_gather_single(out, part)
+        return lambda: all_gather_single(out, part)
     out, full = torch.empty((n - n % ws) // ws, device=device), torch.ones(n - n % ws, device=device)
-    return lambda: dist.reduce_scatter_single(out, full)  # nbytes is the input size
+    return lambda: reduce_scatter_single(out, full)  # nbytes is the input size
 
 
 def memcpy_gbps(nbytes, device):

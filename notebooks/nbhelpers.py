@@ -30,7 +30,8 @@ def run(cmd, timeout: float = 600, quiet: bool = False, env: dict | None = None,
     every process of the run (tools/tracer.py): read it with checks(DIR) and shards(DIR).
     """
     if trace is not None:
-        env = {**(env or {}), "COURSE_TRACE": str(trace), "PYTHONPATH": str(REPO / "tools" / "trace")}
+        path = os.pathsep.join(filter(None, [str(REPO / "tools" / "trace"), str(REPO), os.environ.get("PYTHONPATH")]))
+        env = {**(env or {}), "COURSE_TRACE": str(trace), "PYTHONPATH": path}
     if isinstance(cmd, str):
         cmd = shlex.split(cmd)
     cmd = [PYTHON if c == "python" else str(c) for c in cmd]

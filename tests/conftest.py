@@ -69,6 +69,16 @@ def standin_dir(tmp_path_factory):
     return _made_once(tmp_path_factory, "standin-data", make)
 
 
+@pytest.fixture(scope="session")
+def bare(tmp_path_factory):
+    """`PY=` for make: an interpreter that holds torch but not the course (harness.bare_python), checked to be so."""
+    python = harness.bare_python(tmp_path_factory.mktemp("bare-python"))
+    found = harness.run([python, "-c", "import importlib.util as u, torch; print(u.find_spec('common'))"],
+                        cwd=tmp_path_factory.mktemp("elsewhere"), env=harness.BARE_ENV)
+    assert found.stdout.strip() == "None", found.tail()  # torch imports, the course does not
+    return python
+
+
 @pytest.fixture(autouse=True)
 def _share_the_cores(request):
     """Tests that start processes share the cores with the other pytest worker, if any (harness.cores); a test

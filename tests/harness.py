@@ -145,6 +145,7 @@ def run(cmd, *, timeout: float = 180, env: dict | None = None, cwd=REPO, expect_
     cmd = [str(c) for c in cmd]
     tag = uuid.uuid4().hex
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **(env or {}), TAG: tag}
+    full_env = {k: v for k, v in full_env.items() if v is not None}  # env={"NAME": None} removes NAME
     start = time.time()
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, text=True, start_new_session=True,
                             stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
@@ -213,9 +214,28 @@ def make(*args, **kw) -> Result:
     return run(["make", "--no-print-directory", *args], **kw)
 
 
+def bare_python(folder: Path) -> str:
+    """An interpreter with the same torch as this one and no install of the course: a new virtual environment whose
+    only .pth file puts this interpreter's site-packages on its path, as plain folders, so that their .pth files (the
+    course's editable install among them) are not read. It stands for a cluster's or a GPU host's Python."""
+    import site
+    import sysconfig
+
+    if not (folder / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=120)
+    purelib = sysconfig.get_path("purelib", vars={"base": str(folder), "platbase": str(folder)})
+    Path(purelib, "course_deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return str(folder / "bin" / "python")
+
+
+# what a command started with an interpreter that has no course install sees: no PYTHONPATH from outside
+BARE_ENV = {"PYTHONPATH": None}
+
+
 def traced(trace_dir) -> dict:
     """The environment that switches the course's tracer on in every process a command starts (tools/tracer.py)."""
-    return {"COURSE_TRACE": str(trace_dir), "PYTHONPATH": str(REPO / "tools" / "trace")}
+    path = os.pathsep.join(filter(None, [str(REPO / "tools" / "trace"), os.environ.get("PYTHONPATH")]))
+    return {"COURSE_TRACE": str(trace_dir), "PYTHONPATH": path}
 
 
 def check_trace(trace_dir, world_size: int, epochs: int, checks=("shards", "order", "ddp", "buffers", "eval",

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from harness import PYTHON, REPO, TEST_IMAGES, check_trace, make, python, run, traced
+from harness import BARE_ENV, PYTHON, REPO, TEST_IMAGES, check_trace, make, python, run, traced
 from tools import course
 
 # ------------------------------------------------------------------ DistributedSampler, in-process
@@ -50,8 +50,9 @@ def test_ddp_averages_gradients(nproc):
 
 
 @pytest.mark.slow
-def test_make_ddp_basics_runs_all_four_demos():
-    out = make("ddp-basics", "NPROC=2", timeout=180).stdout
+def test_make_ddp_basics_runs_all_four_demos(bare):
+    # bare: an interpreter without the course installed; mp.spawn's children import common.py all the same
+    out = make("ddp-basics", "NPROC=2", f"PY={bare}", env=BARE_ENV, timeout=180).stdout
     assert "all 2 ranks hold the same weights: True" in out
     assert "after loading and one more step, all ranks hold the same weights: True" in out
     assert "rank 1 loaded the checkpoint (weights_only=True" in out

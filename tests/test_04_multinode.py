@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import common
-from harness import PYTHON, REPO, TEST_IMAGES, check_trace, exits, make, python, run, traced
+from harness import BARE_ENV, PYTHON, REPO, TEST_IMAGES, check_trace, exits, make, python, run, traced
 from tools.standins import STANDIN_SIZES
 
 SHORT = "--dataset mnist-standin --data-dir {} --epochs 1 --max-steps 20 --timeout 60"
@@ -52,8 +52,10 @@ def test_simulated_nodes_split_the_gpus_or_fall_back_to_the_cpu():
 
 
 @pytest.mark.slow
-def test_two_nodes_through_a_fresh_file(data_dir):
-    res = make("multinode-file", "NNODES=2", "NPROC=1", "ARGS=" + SHORT.format(data_dir), timeout=240)
+def test_two_nodes_through_a_fresh_file(data_dir, bare):
+    # bare: an interpreter without the course installed; the processes the launch script starts import common.py
+    res = make("multinode-file", "NNODES=2", "NPROC=1", "ARGS=" + SHORT.format(data_dir), f"PY={bare}",
+               env=BARE_ENV, timeout=240)
     assert "rank 1 (local rank 0) of 2 joined via file://" in res.stdout
     assert res.final["world_size"] == 2 and res.final["test_samples"] == TEST_IMAGES
 

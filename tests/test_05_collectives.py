@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import common
-from harness import PYTHON, make, run
+from harness import BARE_ENV, PYTHON, make, run
 from tools import course
 
 # Gloo on CPU, as recorded in the project's measured facts: every op of the static table works
@@ -28,8 +28,9 @@ def check_collectives(out: str, nproc: int, backend: str):
 
 @pytest.mark.slow  # 3 processes, none of them training: no ranks mark, they share the cores as 2 training ones do
 @pytest.mark.parametrize("nproc", [3])  # an odd world size; notebook 05 checks NPROC=4 the same way
-def test_every_collective_gives_its_closed_form_result(nproc):
-    out = make("collectives", f"NPROC={nproc}", timeout=120).stdout
+def test_every_collective_gives_its_closed_form_result(nproc, bare):
+    # bare: an interpreter without the course installed; torchrun's workers import tools/ all the same
+    out = make("collectives", f"NPROC={nproc}", f"PY={bare}", env=BARE_ENV, timeout=120).stdout
     check_collectives(out, nproc, course.choose_device(procs_per_node=nproc)[1])
     # the table shows every rank: the last all_to_all row of the last rank
     last = nproc - 1
@@ -183,4 +184,6 @@ dist.destroy_process_group()
 """
     res = run([PYTHON, "-c", code], timeout=120)
     assert res.stdout.startswith("[2.0, 2.0, 2.0]"), res.tail()
-    assert "all_gather_single" in res.stdout and "reduce_scatter_single" in res.stdout, res.stdout
+    # they warn where the new names exist (torch 2.13 on); in 2.11 they are the only names, and silent
+    new = hasattr(torch.distributed, "all_gather_single")
+    assert ("all_gather_single" in res.stdout and "reduce_scatter_single" in res.stdout) == new, res.stdout

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from harness import PYTHON, REPO, make, run
+from harness import BARE_ENV, PYTHON, REPO, make, run
 
 SCRIPTS = REPO / "tests" / "doctor_scripts"
 
@@ -15,15 +15,16 @@ def verdicts(text: str) -> dict:
     return {name: verdict for verdict, name in re.findall(r"^  (\w+) +(\w+) ", text, re.M)}
 
 
-def doctor(script, *args, tmp_path, expect_rc, timeout=180, through_make=False):
+def doctor(script, *args, tmp_path, expect_rc, timeout=180, through_make=False, bare=None):
     """The script copied alone into an empty folder outside the repository, then checked there (by the tool, or
     as a user does: make doctor SCRIPT=... ARGS=...)."""
     folder = tmp_path / "project"
     folder.mkdir(exist_ok=True)
     shutil.copy(SCRIPTS / script, folder)
     if through_make:
-        res = make("doctor", f"SCRIPT={folder / script}", f"ARGS={' '.join(args)}", expect_rc=expect_rc,
-                   timeout=timeout)
+        # with an interpreter that has no course install, as on a cluster: make gives the doctor its modules
+        res = make("doctor", f"SCRIPT={folder / script}", f"ARGS={' '.join(args)}", f"PY={bare}",
+                   env=BARE_ENV, expect_rc=expect_rc, timeout=timeout)
     else:
         res = run([PYTHON, REPO / "tools/doctor.py", "--timeout", "120", folder / script, *args],
                   expect_rc=expect_rc, timeout=timeout)
@@ -41,9 +42,9 @@ def doctor(script, *args, tmp_path, expect_rc, timeout=180, through_make=False):
     ("spawn_style.py", ["--bug", "no-buffer-broadcast"], 1, {"buffers": "wrong", "ddp": "ok"}, []),
 ], ids=["trainer", "trainer-every-rank-saves", "kaizhang-padded-eval", "kaizhang-exact", "spawn",
         "spawn-no-buffer-broadcast"])
-def test_user_scripts_in_three_styles_get_the_right_verdicts(tmp_path, script, args, rc, expected, files):
+def test_user_scripts_in_three_styles_get_the_right_verdicts(tmp_path, script, args, rc, expected, files, bare):
     through_make = args == ["--exact"]  # the README's example: make doctor SCRIPT=... ARGS=--exact
-    res, found, left = doctor(script, *args, tmp_path=tmp_path, expect_rc=rc, through_make=through_make)
+    res, found, left = doctor(script, *args, tmp_path=tmp_path, expect_rc=rc, through_make=through_make, bare=bare)
     assert {name: found.get(name) for name in expected} == expected, res.tail()
     assert left == sorted([script, *files]), "the doctor writes nothing into the user's folder"
     if expected.get("eval") == "wrong":
