@@ -194,3 +194,22 @@ def test_dataparallel_checks_the_model_device_at_the_first_forward_not_at_the_wr
 def test_dataparallel_script_refuses_the_cpu_on_a_gpu_machine():
     res = python("tools/preflight.py", "01_dataparallel/mnist_dataparallel.py", "--device", "cpu", expect_rc=2)
     assert "mnist_single.py" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("script", ["mnist_single.py", "mnist_dataparallel.py"])
+def test_the_preflight_names_no_backend_for_a_script_without_a_process_group(script, data_dir):
+    res = run([PYTHON, "tools/preflight.py", f"01_dataparallel/{script}", "--dataset", "mnist-standin", "--data-dir",
+               str(data_dir)], env=NO_GPU)
+    assert re.search(r"; this run: 1 process\(es\) per node on cpu$", res.stdout, re.M), res.stdout
+    assert "gloo" not in res.stdout and "nccl" not in res.stdout
+    ddp = run([PYTHON, "tools/preflight.py", "--nproc", "2", "03_ddp_torchrun/mnist_torchrun.py", "--dataset",
+               "mnist-standin", "--data-dir", str(data_dir)], env=NO_GPU)
+    assert "this run: 2 process(es) per node on cpu with gloo" in ddp.stdout  # a DDP script: its backend
+
+
+@pytest.mark.cuda
+def test_the_preflight_names_no_backend_for_dataparallel_on_a_gpu(data_dir):
+    res = python("tools/preflight.py", "01_dataparallel/mnist_dataparallel.py", "--dataset", "mnist-standin",
+                 "--data-dir", str(data_dir))
+    assert re.search(r"; this run: 1 process\(es\) per node on cuda$", res.stdout, re.M), res.stdout
+    assert "nccl" not in res.stdout

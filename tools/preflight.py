@@ -137,6 +137,12 @@ def check_gpus(parser, args, device) -> None:
                      "must be that GPU")
 
 
+def makes_process_group(script: Path) -> bool:
+    """Whether the script starts a process group: one that makes none (mnist_single.py, mnist_dataparallel.py) has
+    no backend to report, whatever its --backend flag says."""
+    return "init_process_group" in script.read_text(encoding="utf-8", errors="replace")
+
+
 def split_command(command: list[str]) -> tuple[Path, list[str]]:
     """The script of `python script.py ARGS` or `python -m launcher [OPTIONS] script.py ARGS`, and its arguments."""
     for i, word in enumerate(command[1:], 1):
@@ -184,7 +190,7 @@ def main(argv=None) -> int:
                                         local_rank=local_rank, procs_per_node=per_node)
     check_gpus(script_parser, args, device)
     check_checkpoint(script_parser, args, opts.script, device)
-    print(course.runtime_report(device, backend, per_node))
+    print(course.runtime_report(device, backend if makes_process_group(opts.script) else None, per_node))
     try:
         data.prepare(args.dataset, args.data_dir, family=script_parser.family)
     except course.UsageError as err:
