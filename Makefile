@@ -295,8 +295,12 @@ compat: ## TORCH=2.11.0: the course on another torch (a side .venv-torch2.11.0 f
 	@test -n "$(TORCH)" || { echo "error: name the torch release: make compat TORCH=2.11.0" >&2; exit 2; }
 	$(PYTHON) tools/compat.py --torch $(TORCH) $(if $(RECORD),--record)
 
-gpu-check: $(STAMP) ## on a GPU machine: the GPU tests, every target on CUDA, GPU figures -> bench/results/gpu_check_*
-	$(PY) bench/gpu_check.py --output-dir bench/results $(ARGS)
+# In parts that each end within 9 minutes (a borrowed GPU machine gives one command 10): PART=list (the default)
+# shows them, PART=NAME runs one, PART=all all of them. Results go to runs/gpu_check/; RECORD=1 writes them into
+# bench/results/. With PY=... on the command line every step's make uses that interpreter too.
+gpu-check: $(STAMP) ## on a GPU machine, in parts: the GPU tests, every target on CUDA, GPU figures (PART=list|NAME|all)
+	$(PY) bench/gpu_check.py --part $(or $(PART),list) $(if $(filter-out 0 no,$(RECORD)),--record) \
+	  $(if $(filter command line,$(origin PY)),--py $(PY)) $(ARGS)
 
 # ------------------------------------------------------------------ tests and tools
 
