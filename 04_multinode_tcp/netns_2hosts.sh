@@ -51,9 +51,12 @@ for i in 0 1; do
     ifname=(); [[ -z ${BREAK:-} ]] && ifname=(GLOO_SOCKET_IFNAME="${dev[$i]}" NCCL_SOCKET_IFNAME="${dev[$i]}")
     # both "hosts" share this machine's host name and boot id: NCCL would take them for one host without this
     hostid=(NCCL_HOSTID="ddp-host-$i")
+    # on a machine with InfiniBand or RoCE cards NCCL would take its IB transport, which knows nothing of the veth
+    # (NCCL_SOCKET_IFNAME names a socket interface only): sockets over the cable, as between two Ethernet hosts
+    sockets=(NCCL_IB_DISABLE=1 NCCL_NET=Socket)
     gpus=${host_gpus[$i]}; cuda=(); device=()
     if [[ $gpus == cpu ]]; then device=(--device cpu); elif [[ -n $gpus ]]; then cuda=(CUDA_VISIBLE_DEVICES="$gpus"); fi
-    cmd=(env "${ifname[@]}" "${hostid[@]}" "${cuda[@]}" OMP_NUM_THREADS=1 "$py" 04_multinode_tcp/mnist_tcp.py
+    cmd=(env "${ifname[@]}" "${hostid[@]}" "${sockets[@]}" "${cuda[@]}" OMP_NUM_THREADS=1 "$py" 04_multinode_tcp/mnist_tcp.py
          --init-method "tcp://${addr[0]}:29500" --world-size "$world" --nproc-per-node "$nproc"
          --node-rank "$i" --local-rank "$local" "${device[@]}" "$@")
     echo "host $i: ${cmd[*]}"

@@ -185,11 +185,21 @@ def _our_namespaces(tag: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(NETNS_SKIP is not None, reason=str(NETNS_SKIP))
-def test_two_real_hosts_in_network_namespaces(data_dir):
-    res = make("multinode-netns", "NPROC=1", "ARGS=" + SHORT.format(data_dir), timeout=240)
+def test_two_real_hosts_in_network_namespaces(data_dir, tmp_path):
+    res = make("multinode-netns", "NPROC=1", "ARGS=" + SHORT.format(data_dir), env=traced(tmp_path / "trace"),
+               timeout=240)
     hosts = re.findall(r"host (\d): namespace (ddp\d-\d+), interface (\S+), address (\S+)", res.stdout)
     assert len(hosts) == 2 and hosts[0][3] != hosts[1][3]
     assert f"--init-method tcp://{hosts[0][3]}:29500" in res.stdout
+    from tools import tracecheck
+
+    ranks = tracecheck.load(tmp_path / "trace")
+    assert sorted(ranks) == [0, 1]
+    for rank, events in ranks.items():  # what each rank saw: rank r is on host r
+        env = next(e for e in events if e["ev"] == "init")["env"]
+        assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == hosts[rank][2], env
+        # NCCL over sockets on the veth: on a machine with InfiniBand/RoCE cards its IB transport would skip it
+        assert env["NCCL_IB_DISABLE"] == "1" and env["NCCL_NET"] == "Socket", env
     assert res.final["world_size"] == 2 and res.final["test_samples"] == TEST_IMAGES
     tag = hosts[0][1].split("-")[1]
     assert not _our_namespaces(tag), "the namespaces must be removed afterwards"

@@ -5,7 +5,8 @@ COURSE_TRACE=DIR and tools/trace/ on PYTHONPATH (see tools/trace/sitecustomize.p
 then calls install(DIR) at start-up, which wraps a few PyTorch entry points, and appends one JSON line per event
 to DIR/trace-PID.jsonl:
 
-    init      init_process_group: backend, world size, rank, torchrun's restart count, the timeout= given
+    init      init_process_group: backend, world size, rank, torchrun's restart count, the timeout= given, and
+              the NCCL_* and GLOO_* variables the process saw
     loader    a DataLoader starts an epoch: training or evaluation (autograd on or off), the sampler's kind and
               settings, and every index it will hand out in that pass
     set_epoch DistributedSampler.set_epoch(epoch)
@@ -210,7 +211,8 @@ def install(trace_dir: str) -> None:
         record("init", backend=str(dist.get_backend()), world_size=dist.get_world_size(),
                timeout=timeout.total_seconds() if hasattr(timeout, "total_seconds") else None,
                attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-               local_rank=os.environ.get("LOCAL_RANK"))
+               local_rank=os.environ.get("LOCAL_RANK"),
+               env={k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_"))})  # the network settings
 
     _wrap(dist, "init_process_group", after=initialised)
 
