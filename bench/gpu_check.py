@@ -565,7 +565,7 @@ def main(argv=None) -> int:
             part_steps = [s for s in part_steps if s.name in args.only.split(",")]
         name = f"gpu_check_{part}_{where}_{time.strftime('%Y-%m-%d')}"
         log_dir = out_dir / f"{name}_logs"
-        since, rows = time.time(), []
+        since, rows, running = time.time(), [], None
         course.say(f"--- part {part}: {len(part_steps)} step(s), time limits {budget(part_steps)[0]:.0f} s")
         try:
             for i, step in enumerate(part_steps, 1):
@@ -576,15 +576,19 @@ def main(argv=None) -> int:
                     course.say(f"[{i}/{len(part_steps)}] {step.name}: {step.skip}")
                     continue
                 run = rehearsed(step, step.name in real, args.real_args) if args.rehearse else step
+                running = run
                 row = run_step(run, log_dir, py=args.py)
+                running = None
                 rows.append(row)
                 course.say(f"[{i}/{len(part_steps)}] {step.name}: {'passed' if row['passed'] else 'FAILED'} "
                            f"in {row['seconds']:.0f} s" + (f" ({row['why']}; log: {row['log']})" if row["why"] else ""))
                 fig = figures(rows, out_dir, since, gpus)
                 written = report(part, rows, fig, goals(fig), info, out_dir, name)  # again after every step
-        except KeyboardInterrupt as stop:
-            rows.append({"step": "(interrupted)", "passed": False, "why": f"gpu-check was stopped: {stop}",
-                         "seconds": 0.0, "timeout": 0, "note": "", "command": "", "log": None, "final": {}})
+        except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: the step that ran is stopped, and says so
+            rows.append({"step": running.name if running else "(between steps)", "passed": False,
+                         "why": f"gpu-check was stopped ({stop or 'Ctrl-C'}), and every process the step had started",
+                         "seconds": 0.0, "timeout": running.timeout if running else 0, "note": "",
+                         "command": shlex.join(running.cmd) if running else "", "log": None, "final": {}})
             fig = figures(rows, out_dir, since, gpus)
             report(part, rows, fig, goals(fig), info, out_dir, name)
             course.say(f"stopped; what part {part} finished is in {out_dir / name}.json")
