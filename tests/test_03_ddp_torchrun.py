@@ -121,6 +121,18 @@ def test_fail_at_mid_fails_in_the_middle_of_the_last_epoch_of_a_real_run(data_di
 
 
 @pytest.mark.slow
+def test_torchrun_by_hand_with_nccl_and_no_gpu_per_process_stops_in_one_line(data_dir):
+    """No preflight by hand: the script's own device choice (common.device_and_backend) refuses, before any
+    process group, what NCCL cannot do. CUDA hidden: the same on any machine."""
+    res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
+               REPO / "03_ddp_torchrun/mnist_torchrun.py", *STANDIN.format(data_dir).split(), "--backend", "nccl"],
+              env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90, expect_rc=1)
+    assert "RuntimeError: NCCL needs one GPU per process (2 process(es) on this machine, 0 usable GPU(s)); use " \
+           "--backend gloo" in res.stderr, res.tail()
+    assert "init_process_group" not in res.stderr  # stopped before it
+
+
+@pytest.mark.slow
 @pytest.mark.ranks(4)  # two jobs of 2 workers each
 def test_two_standalone_jobs_at_once_do_not_collide():
     """`torchrun --standalone` picks a free port: an init check and the minimal elastic DDP program (`make
