@@ -89,7 +89,7 @@ def test_without_restarts_a_failure_ends_the_job_promptly_with_the_traceback(dat
     assert "simulated failure of rank 1 at training batch 5" in summary, "@record puts the real traceback there"
 
 
-def test_fail_at_mid_falls_in_the_last_epoch_of_real_mnist_on_8_ranks():
+def test_fail_at_mid_falls_in_the_last_epoch_of_real_mnist_on_8_ranks(tmp_path):
     """make elastic-restart's default FAIL_AT=mid: on 8 processes real MNIST has 118 batches of 64 per rank and
     epoch, 236 in two epochs, so a fixed batch 250 never came and no restart happened."""
     from torch.utils.data import DataLoader
@@ -106,8 +106,15 @@ def test_fail_at_mid_falls_in_the_last_epoch_of_real_mnist_on_8_ranks():
     assert tracer.fail_batch("mid", None, 118, 2, 118) == 178  # a script without --epochs: epoch 2
     assert tracer.fail_batch("mid", 3, 118, 2, 118) is None  # 3 epochs: the middle of the third
     assert tracer.fail_batch("250", 2, 0, 1, 118) == 250  # a number is taken as it is
-    dry = run(["make", "-n", "--no-print-directory", "elastic-restart", "NPROC=8"]).stdout
-    assert "COURSE_FAIL_AT=1:mid " in dry and "fails at the middle of the last epoch" in dry
+    # make on a machine whose nvidia-smi lists 8 GPUs (a fake one on PATH): NPROC 8, and the failure at mid
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: NVIDIA H100 (UUID: GPU-$i)\"; done\n")
+    smi.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    dry = subprocess.run(["make", "-n", "--no-print-directory", "elastic-restart"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, env={**env, "PATH": f"{tmp_path}:{env['PATH']}"}).stdout
+    assert "--nproc-per-node 8 " in dry and "COURSE_FAIL_AT=1:mid " in dry, dry
+    assert "fails at the middle of the last epoch" in dry
 
 
 @pytest.mark.slow
