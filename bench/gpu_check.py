@@ -537,8 +537,11 @@ def main(argv=None) -> int:
     out_dir = output_dir(args.record, args.output_dir)
     os.chdir(REPO)  # every step is a command of the course, run from its root
     bench_out = out_dir.relative_to(REPO) if out_dir.is_relative_to(REPO) else out_dir
-    steps = plan(gpus, is_root=can_make_netns(), bench_out=str(bench_out))
-    all_parts = parts(steps)
+    # the parts are cut as if every step could run, so that a part's name means the same steps on any machine
+    # with this many GPUs, whatever it allows (network namespaces); what it does not allow is skipped in its part
+    here = {s.name: s for s in plan(gpus, is_root=can_make_netns(), bench_out=str(bench_out))}
+    all_parts = {name: [here[s.name] for s in part]
+                 for name, part in parts(plan(gpus, is_root=True, bench_out=str(bench_out))).items()}
     if args.part == "list":
         show(all_parts, gpus)
         return 0
