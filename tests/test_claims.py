@@ -22,6 +22,7 @@ The table's grammar (one row per claim):
     `sample: COMMAND`                                         the command whose output the sample shows
 """
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -112,6 +113,8 @@ def problems(row: dict) -> list[str]:
     tests = [p for p in proofs if p.startswith("tests/")]
     for proof in proofs:
         if proof.startswith("tests/"):
+            if proof.startswith("tests/test_notebooks.py") and importlib.util.find_spec("jupytext") is None:
+                continue  # `make test PY=...` with an interpreter that has no notebook tools: not collectable there
             if proof not in collected():
                 bad.append(f"{proof}: not collected by pytest")
             elif row["runs_on"] == "CPU" and collected()[proof]:

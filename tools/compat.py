@@ -8,7 +8,7 @@
 The side environment holds torch, its matching torchvision, tqdm and pytest, and no install of the course, as a
 cluster's or a GPU host's Python would; every step runs with it through make (`make TARGET PY=...`), with no
 PYTHONPATH from outside. The steps are the targets a learner starts first, the error gallery, the CIFAR-10
-example, the doctor on the headline, and the quick tests (`pytest -m "not slow"`). The record,
+example, the doctor on the headline, and the quick tests (`make test-fast`). The record,
 compat_torch-VERSION_DATE.{json,md}, says for each step whether it passed, how long it took and its `final:` line;
 tools/check_torch.py's oldest accepted torch is the oldest version with a record in which every step passed.
 """
@@ -37,7 +37,7 @@ STEPS = [  # (name, make arguments, seconds allowed)
     ("cifar-resnet", ["cifar-resnet", "NPROC=2"], 600),
     ("doctor", ["doctor", "SCRIPT=03_ddp_torchrun/mnist_torchrun.py", "ARGS=--dataset mnist-standin"], 300),
 ]
-TESTS = ("quick tests", ["-m", "not slow", "tests", "-q", "-p", "no:cacheprovider", "-x"], 900)
+TESTS = ("quick tests", ["test-fast"], 900)
 
 
 def torchvision_for(torch_version: str) -> str:
@@ -101,8 +101,7 @@ def main(argv=None) -> int:
     torch_v, vision_v, cuda, py_v, gpus = probe.stdout.split()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # only what make gives its processes
     env.update(TQDM_DISABLE="1", PYTHONUNBUFFERED="1")
-    steps = [(n, ["make", "--no-print-directory", *a, f"PY={python}"], t) for n, a, t in STEPS]
-    steps.append((TESTS[0], [python, "-m", "pytest", *TESTS[1]], TESTS[2]))
+    steps = [(n, ["make", "--no-print-directory", *a, f"PY={python}"], t) for n, a, t in [*STEPS, TESTS]]
     if args.only:
         steps = [s for s in steps if s[0] in args.only.split(",")]
     rows = []
