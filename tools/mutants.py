@@ -85,7 +85,7 @@ def _child(script: Path, argv: list[str], env: dict, trace_dir: Path, log: Path)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.environ.update(env)
-        tracer._state.update(dir=str(trace_dir), pid=None, batches=0)
+        tracer._state.update(dir=str(trace_dir), pid=None, batches=0, passes=0, args={})
         import torch
 
         torch.set_num_threads(1)

@@ -119,12 +119,12 @@ class _Watched:
                batch_size=getattr(self._loader, "batch_size", None))
         limit = int(os.environ.get("COURSE_TRACE_MAX_BATCHES", "0") or 0)
         fail = os.environ.get("COURSE_FAIL_AT", "") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else ""
+        rank, batch = fail.split(":") if fail else (None, None)
         if train:
             _state["passes"] += 1
-            fetched = [n for n in (len(items), limit, _state["args"].get("max_steps")) if n]
-            rank, batch = fail.split(":") if fail else (None, None)
+            fetched = min((n for n in (len(items), limit, _state["args"].get("max_steps")) if n), default=0)
             batch = fail_batch(batch, _state["args"].get("epochs"), _state["batches"], _state["passes"],
-                               min(fetched)) if fail else None
+                               fetched) if fail else None
         for n, item in enumerate(items):
             if train and limit and n >= limit:
                 return
@@ -183,7 +183,8 @@ def install(trace_dir: str) -> None:
     DataLoader._index_sampler = property(lambda self: _Watched(index_sampler.fget(self), self))
     _wrap(DistributedSampler, "set_epoch", before=lambda self, epoch: record("set_epoch", epoch=int(epoch)))
     _wrap(argparse.ArgumentParser, "parse_known_args", after=lambda out, *a, **k: _state["args"].update(
-        {key: value for key, value in vars(out[0]).items() if key in ("epochs", "max_steps") and type(value) is int}))
+        {key: value for key, value in getattr(out[0], "__dict__", {}).items()
+         if key in ("epochs", "max_steps") and type(value) is int}))
     _wrap(torch.optim.Optimizer, "__init__", after=lambda _, self, *a, **k: _optimizers.add(self))
 
     def optimizer_freed(self):  # the trained weights, seen as the last reference to them goes (a train() returns)
