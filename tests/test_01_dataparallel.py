@@ -94,7 +94,7 @@ def test_evaluate_counts_outputs_gathered_on_another_gpu(data_dir):
     dp = nn.DataParallel(net.to("cuda:0"), device_ids=[0, 1], output_device=1)
     on_gpus = common.evaluate(dp, course.batch_loader(test_set, 100), torch.device("cuda:0"))
     assert on_gpus.device == torch.device("cuda:0") and on_gpus[1].item() == 500
-    assert abs(on_gpus[0].item() - on_cpu[0].item()) <= 3  # cuDNN (TF32) may flip an argmax or two
+    assert abs(on_gpus[0].item() - on_cpu[0].item()) <= 5  # cuDNN (TF32) may flip an argmax or two
 
 
 def test_gpus_too_old_for_the_build_leave_dataparallel_out_of_the_cpu_run(monkeypatch, data_dir, capsys):
