@@ -317,7 +317,7 @@ test: $(STAMP) ## lint, then everything that runs on CPU: unit, multi-process an
 	  echo "$(PYTEST) $$xd tests $$nb"; $(PYTEST) $$xd tests $$nb
 
 test-fast: $(STAMP) ## the quick subset for the edit loop (no slow multi-process runs, no notebooks)
-	$(PYTEST) tests -m "not slow"
+	$(PYTEST) tests -m "not slow" $(ARGS)
 
 notebooks: $(STAMP) ## write each .ipynb from its .py source (jupytext), execute it, keep its outputs
 	@cd notebooks && for nb in $(if $(NB),$(notdir $(NB)),0*.py); do echo "--- $$nb"; \

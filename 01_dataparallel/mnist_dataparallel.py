@@ -56,6 +56,7 @@ def train(args, device, rank=0, world_size=1):
     for epoch in range(start_epoch, args.epochs):
         shuffle.manual_seed(args.seed + epoch)  # a new order every epoch, and the same one in a resumed run
         model.train()
+        train_sums = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss x samples, samples
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", disable=None if rank == 0 else True)  # rank 0, a terminal
         for step, (images, labels) in enumerate(bar):
             if args.max_steps and step == args.max_steps:  # --max-steps: a short epoch (smoke runs, CI)
@@ -66,14 +67,17 @@ def train(args, device, rank=0, world_size=1):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            train_sums[0] += loss.detach() * len(labels)  # on the device: no wait for the GPU here
+            train_sums[1] += len(labels)
             if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
                 print(f"step: epoch={epoch + 1} step={step + 1} loss={loss.item():.4f}")
 
         totals = common.evaluate(model, test_loader, device)  # sums over the test set: correct, samples, loss
         correct, samples, loss_sum = totals.tolist()
+        train_loss_sum, trained = train_sums.tolist()  # the epoch's training loss, averaged over its samples
         if rank == 0:
-            print(f"epoch {epoch + 1}/{args.epochs}: train_loss={loss.item():.4f} test_loss={loss_sum / samples:.4f} "
-                  f"test_acc={correct / samples:.4f}")
+            print(f"epoch {epoch + 1}/{args.epochs}: train_loss={train_loss_sum / trained:.4f} "
+                  f"test_loss={loss_sum / samples:.4f} test_acc={correct / samples:.4f}")
         if rank == 0 and path:
             state = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
             os.makedirs(args.checkpoint_dir, exist_ok=True)

@@ -80,6 +80,7 @@ def train(args, device, rank, world_size):
         model.train()
         # --max-steps counts optimizer steps: each takes --accum-steps batches
         steps = min(len(train_loader), args.max_steps * args.accum_steps or len(train_loader))
+        train_sums = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss x samples, samples
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", total=steps, disable=None if rank == 0 else True)
         for step, (images, labels) in enumerate(bar):
             if step == steps:
@@ -93,6 +94,8 @@ def train(args, device, rank, world_size):
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                     loss = F.cross_entropy(model(images), labels) / args.accum_steps
                 scaler.scale(loss).backward()  # AMP: the scaled loss; the gradients add up over the micro-batches
+            train_sums[0] += loss.detach() * args.accum_steps * len(labels)  # on the device: no wait for the GPU
+            train_sums[1] += len(labels)
             if last_micro:
                 scaler.step(optimizer)
                 scaler.update()
@@ -101,12 +104,12 @@ def train(args, device, rank, world_size):
         if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
             for buffer in model.module.buffers():  # DDP: rank 0's BatchNorm statistics everywhere (section 02)
                 dist.broadcast(buffer, src=0)
-            totals = common.evaluate(model.module, test_loader, device)
-            dist.all_reduce(totals)  # DDP: every rank evaluated its own part: add them up
-            correct, samples, loss_sum = totals.tolist()
+            totals = torch.cat([common.evaluate(model.module, test_loader, device), train_sums])
+            dist.all_reduce(totals)  # DDP: every rank evaluated its own part and trained on its own: add them up
+            correct, samples, loss_sum, train_loss_sum, trained = totals.tolist()
             acc = correct / samples
             if rank == 0:
-                print(f"epoch {epoch + 1}/{args.epochs}: train_loss={loss.item() * args.accum_steps:.4f} "
+                print(f"epoch {epoch + 1}/{args.epochs}: train_loss={train_loss_sum / trained:.4f} "
                       f"test_loss={loss_sum / samples:.4f} test_acc={acc:.4f}")
         if rank == 0 and path:  # DDP: one writer is enough, every rank holds the same weights
             state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
@@ -123,18 +126,19 @@ def train(args, device, rank, world_size):
 def main():
     parser = argparse.ArgumentParser(description="ResNet-18 on CIFAR-10 with DDP (torchrun).")
     parser.add_argument("--amp", default="auto", choices=("auto", "off", "fp16", "bf16"),
-                        help="mixed precision; auto = fp16 on CUDA, bf16 on the CPU")
+                        help="mixed precision; auto = bf16 where the device computes in it (CPU, Ampere+), else fp16")
     parser.add_argument("--use_mix_precision", action="store_const", const="fp16", dest="amp", help="= --amp fp16")
     parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     parser.add_argument("--eval-every", type=int, default=1, help="evaluate every K epochs, and after the last")
-    parser.add_argument("--local-rank", "--local_rank", type=int, help="the deprecated launcher's; LOCAL_RANK wins")
+    parser.add_argument("--local-rank", "--local_rank", type=int, help="passed by the deprecated launcher; unused")
     args = common.add_training_flags(parser, datasets=common.CIFAR_DATASETS, batch_size=32, lr=0.05).parse_args()
-    # DDP: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK (on this node); the old launcher passes --local-rank
+    # DDP: torchrun tells each process its place: RANK among all, LOCAL_RANK among those on this node
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank if args.local_rank is None else args.local_rank))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # by hand on one machine: all here
+    local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     device, backend = common.device_and_backend(args.device, args.backend, local_rank, local_world_size)
-    args.amp = ("fp16" if device.type == "cuda" else "bf16") if args.amp == "auto" else args.amp  # AMP: per device
+    if args.amp == "auto":  # AMP: bf16 on the CPU and on GPUs that compute in it (Ampere and newer), else fp16
+        bf16 = device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False)
+        args.amp = "bf16" if bf16 else "fp16"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
     # DDP: env:// reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; NCCL gets this process's GPU
@@ -149,7 +153,7 @@ def main():
             print(f"{world_size} processes on {device.type} with {backend}")
         train(args, device, rank, world_size)
     finally:
-        gc.collect()  # DDP: a DDP model lives in reference cycles; free it before its group, or exit can abort
+        gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         dist.destroy_process_group()  # DDP: leave the group, also after an error
 
 

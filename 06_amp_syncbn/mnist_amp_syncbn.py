@@ -64,6 +64,7 @@ def train(args, device, rank, world_size):
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same permutation on every rank
         model.train()
+        train_sums = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss x samples, samples
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", disable=None if rank == 0 else True)  # rank 0, a terminal
         for step, (images, labels) in enumerate(bar):
             if args.max_steps and step == args.max_steps:  # --max-steps: a short epoch (smoke runs, CI)
@@ -79,17 +80,20 @@ def train(args, device, rank, world_size):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
             scaler.step(optimizer)  # AMP: skipped if the scaled gradients overflowed
             scaler.update()  # AMP: a smaller scale after an overflow, a bigger one after a long calm
+            train_sums[0] += loss.detach() * len(labels)  # on the device: no wait for the GPU here
+            train_sums[1] += len(labels)
             if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
                 print(f"step: epoch={epoch + 1} step={step + 1} loss={loss.item():.4f}")
 
         for buffer in model.module.buffers():  # DDP: rank 0's BatchNorm statistics everywhere (see README)
             dist.broadcast(buffer, src=0)
-        totals = common.evaluate(model.module, test_loader, device)  # sums over this rank's part of the test set
-        dist.all_reduce(totals)  # DDP: the sums of all ranks, on every rank
-        correct, samples, loss_sum = totals.tolist()
+        # sums over this rank's part of the test set, and over its training batches
+        totals = torch.cat([common.evaluate(model.module, test_loader, device), train_sums])
+        dist.all_reduce(totals)  # DDP: the sums of all ranks, on every rank: one all_reduce for every metric
+        correct, samples, loss_sum, train_loss_sum, trained = totals.tolist()
         if rank == 0:
-            print(f"epoch {epoch + 1}/{args.epochs}: train_loss={loss.item():.4f} test_loss={loss_sum / samples:.4f} "
-                  f"test_acc={correct / samples:.4f}")
+            print(f"epoch {epoch + 1}/{args.epochs}: train_loss={train_loss_sum / trained:.4f} "
+                  f"test_loss={loss_sum / samples:.4f} test_acc={correct / samples:.4f}")
         if rank == 0 and path:  # DDP: one writer is enough, every rank holds the same weights
             state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                      "scaler": scaler.state_dict(), "epoch": epoch + 1}
@@ -106,18 +110,19 @@ def train(args, device, rank, world_size):
 def main():
     parser = argparse.ArgumentParser(description="MNIST with DDP, mixed precision and SyncBatchNorm (torchrun).")
     parser.add_argument("--amp", default="auto", choices=("auto", "off", "fp16", "bf16"),
-                        help="mixed precision; auto = fp16 on CUDA, bf16 on the CPU")
+                        help="mixed precision; auto = bf16 where the device computes in it (CPU, Ampere+), else fp16")
     parser.add_argument("--use_mix_precision", action="store_const", const="fp16", dest="amp", help="= --amp fp16")
     parser.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks' samples")
     parser.add_argument("--clip-grad", type=float, help="clip the gradient norm to this")
-    parser.add_argument("--local-rank", "--local_rank", type=int, help="the deprecated launcher's; LOCAL_RANK wins")
+    parser.add_argument("--local-rank", "--local_rank", type=int, help="passed by the deprecated launcher; unused")
     args = common.add_training_flags(parser).parse_args()
-    # DDP: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK (on this node); the old launcher passes --local-rank
+    # DDP: torchrun tells each process its place: RANK among all, LOCAL_RANK among those on this node
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank if args.local_rank is None else args.local_rank))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # by hand on one machine: all here
+    local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     device, backend = common.device_and_backend(args.device, args.backend, local_rank, local_world_size)
-    args.amp = ("fp16" if device.type == "cuda" else "bf16") if args.amp == "auto" else args.amp  # AMP: per device
+    if args.amp == "auto":  # AMP: bf16 on the CPU and on GPUs that compute in it (Ampere and newer), else fp16
+        bf16 = device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False)
+        args.amp = "bf16" if bf16 else "fp16"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
     # DDP: env:// reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; NCCL gets this process's GPU
@@ -132,7 +137,7 @@ def main():
             print(f"{world_size} processes on {device.type} with {backend}, amp {args.amp}, sync-bn {args.sync_bn}")
         train(args, device, rank, world_size)
     finally:
-        gc.collect()  # DDP: a DDP model lives in reference cycles; free it before its group, or exit can abort
+        gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         dist.destroy_process_group()  # DDP: leave the group, also after an error
 
 

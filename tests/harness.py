@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,6 +86,10 @@ class Result:
 
 
 TAG = "COURSE_TEST_TAG"
+# What an outer make leaves in the environment (`make test ARGS=...`, or NPROC exported in a shell): a make started
+# by a test would take it (the Makefile's `?=` variables read the environment), so no command a test starts sees it
+OUTER_MAKE = {name: None for name in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", *re.findall(
+    r"^([A-Z_]+) *\?=", (REPO / "Makefile").read_text(), re.M))}
 TEST_IMAGES = 1000  # the MNIST test set of the data_dir fixture (conftest): 1000 is not divisible by 3
 # every download goes to a proxy that is not there: offline, whether this machine has internet or not
 DEAD_PROXY = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9", "no_proxy": "",
@@ -144,7 +149,7 @@ def run(cmd, *, timeout: float = 180, env: dict | None = None, cwd=REPO, expect_
     """
     cmd = [str(c) for c in cmd]
     tag = uuid.uuid4().hex
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **(env or {}), TAG: tag}
+    full_env = {**os.environ, **OUTER_MAKE, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **(env or {}), TAG: tag}
     full_env = {k: v for k, v in full_env.items() if v is not None}  # env={"NAME": None} removes NAME
     start = time.time()
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, text=True, start_new_session=True,
@@ -211,7 +216,10 @@ def exits(calls: list[tuple], env: dict | None = None, timeout: float = 300) -> 
 
 
 def make(*args, **kw) -> Result:
-    return run(["make", "--no-print-directory", *args], **kw)
+    """make TARGET ... with this interpreter: `make test PY=...` runs the targets with that PY too (a PY among
+    `args` comes later on the command line and wins)."""
+    own = [] if Path(sys.prefix) == REPO / ".venv" else [f"PY={PYTHON}"]
+    return run(["make", "--no-print-directory", *own, *args], **kw)
 
 
 def bare_python(folder: Path) -> str:

@@ -50,9 +50,10 @@ def test_ddp_averages_gradients(nproc):
 
 
 @pytest.mark.slow
-def test_make_ddp_basics_runs_all_four_demos(bare):
-    # bare: an interpreter without the course installed; mp.spawn's children import common.py all the same
-    out = make("ddp-basics", "NPROC=2", f"PY={bare}", env=BARE_ENV, timeout=180).stdout
+def test_make_ddp_basics_runs_all_four_demos(bare, tmp_path):
+    # bare: an interpreter without the course installed, and make started from another folder (-C): mp.spawn's
+    # children import common.py all the same
+    out = make("-C", REPO, "ddp-basics", "NPROC=2", f"PY={bare}", env=BARE_ENV, cwd=tmp_path, timeout=180).stdout
     assert "all 2 ranks hold the same weights: True" in out
     assert "after loading and one more step, all ranks hold the same weights: True" in out
     assert "rank 1 loaded the checkpoint (weights_only=True" in out

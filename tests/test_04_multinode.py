@@ -5,7 +5,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -234,7 +233,7 @@ def port_is_free(port: int) -> bool:
 
 
 @pytest.mark.slow
-def test_slurm_script_builds_the_torchrun_command_and_runs(tmp_path):
+def test_slurm_script_builds_the_torchrun_command_and_runs(tmp_path, bare):
     """The job script as a first job on a fresh node: no preflight, so local rank 0 prepares the data while the
     other rank waits at a barrier, and it is generated once."""
     fake = tmp_path / "bin"
@@ -243,14 +242,14 @@ def test_slurm_script_builds_the_torchrun_command_and_runs(tmp_path):
     (fake / "srun").write_text('#!/bin/sh\nexec "$@"\n')  # one node: run the command right here
     # this machine plays a cluster node, but its host name may not resolve as a node's does: bind the agent to
     # 127.0.0.1 (the script's own command line is checked below)
-    real = Path(PYTHON).parent / "torchrun"
-    (fake / "torchrun").write_text(f'#!/bin/sh\nexec "{real}" --local-addr 127.0.0.1 "$@"\n')
+    # bare: a cluster's Python, without the course installed; the job script puts the course's folder on PYTHONPATH
+    (fake / "torchrun").write_text(f'#!/bin/sh\nexec "{bare}" -m torch.distributed.run --local-addr 127.0.0.1 "$@"\n')
     for f in fake.iterdir():
         f.chmod(0o755)
     job = next(j for j in range(4242, 20000) if port_is_free(20000 + j))  # the script's port: 20000 + job id
     env = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "localhost,othernode",
            "SLURM_JOB_ID": str(job), "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "2",
-           "TORCHRUN": str(fake / "torchrun")}
+           "TORCHRUN": str(fake / "torchrun"), **BARE_ENV}
     res = run(["bash", REPO / "04_multinode_tcp/slurm_ddp.sbatch", *SHORT.format(tmp_path / "fresh").split()],
               env=env, timeout=180)
     assert re.search(rf"on every node: \S*torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d "

@@ -38,15 +38,16 @@ def test_bf16_with_sync_bn_converges_like_fp32(data_dir, tmp_path):
     args = "ARGS=--max-steps 100 " + STANDIN.format(data_dir)  # 100 of the epoch's 188 steps per rank
     bf16 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args, env=traced(tmp_path / "trace"), timeout=240)
     fp32 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args + " --amp off", timeout=240)
-    if course.choose_device(procs_per_node=2)[0].type == "cpu":
+    device = common.device_and_backend(procs_per_node=2)[0]  # the scripts' own choice
+    if device.type == "cpu":
         assert bf16.final["amp"] == "bf16"
-    else:
-        assert bf16.final["amp"] == "fp16", "auto is fp16 on CUDA"
+    else:  # auto: bf16 where the GPU computes in it (Ampere and newer), fp16 with a GradScaler before
+        assert bf16.final["amp"] == ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16")
     assert bf16.final["sync_bn"] == "True" and fp32.final["amp"] == "off"
     check_trace(tmp_path / "trace", world_size=2, epochs=1, checks=("shards", "ddp", "buffers", "eval", "eval_sum"))
     from tools import tracecheck
 
-    synced = "SyncBatchNorm" if course.choose_device(procs_per_node=2)[0].type == "cuda" else "AllReduceBatchNorm2d"
+    synced = "SyncBatchNorm" if device.type == "cuda" else "AllReduceBatchNorm2d"
     for rank, events in tracecheck.load(tmp_path / "trace").items():  # what the DDP wrap really got, per rank
         assert [e["norms"] for e in events if e["ev"] == "ddp"] == [[synced]], (rank, synced)
     assert bf16.final["test_samples"] == TEST_IMAGES
