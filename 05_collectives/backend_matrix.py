@@ -9,6 +9,7 @@ in the layout of the usual backend table, next to what that static table claims.
     make backend-matrix
 """
 
+import argparse
 import os
 import time
 from datetime import timedelta
@@ -16,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tools import course
+import common
 
 DTYPES = (torch.float32, torch.float16, torch.int64)
 # what the commonly copied static table says for Gloo on CPU and NCCL on GPU (✓ / ✘)
@@ -93,27 +94,25 @@ def ops(rank, ws, dtype, device, group):
 
 
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--output-dir", help="also write the table to DIR/backend_matrix_<backend>_<device>_<date>.md")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per operation")
-    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process): the two columns of the usual table
-        device, backend = course.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
-                                               local_rank=local_rank, procs_per_node=local_ws)
-    except course.UsageError as err:
-        parser.error(str(err))
-    course.print0(int(os.environ["RANK"]), course.runtime_report(device, backend, local_ws))
+    # Gloo on CPU tensors, NCCL on GPU tensors (one per process): the two columns of the usual table
+    device, backend = common.device_and_backend("cpu" if args.backend == "gloo" else "auto", args.backend,
+                                                local_rank, local_ws)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     try:
         rank, ws = dist.get_rank(), dist.get_world_size()
+        if rank == 0:
+            print(f"{ws} ranks, backend {backend}, device {device.type}, torch {torch.__version__}\n")
         names = list(ops(rank, ws, torch.float32, device, None))
         marks = {}
         for name in names:
@@ -137,11 +136,14 @@ def main():
                 claim = STATIC.get((backend, device.type), {}).get(name, "-")
                 lines.append(f"| {name} | {' | '.join(marks[name, d] for d in DTYPES)} | {claim} |")
             text = "\n".join(lines)
-            course.say(text)
+            print(text)
             if args.output_dir:
-                name = f"backend_matrix_{backend}_{device.type}_{time.strftime('%Y-%m-%d')}.md"
-                path = course.atomic_write_bytes((text + "\n").encode(), os.path.join(args.output_dir, name))
-                course.say(f"\nwritten to {path}")
+                path = os.path.join(args.output_dir, f"backend_matrix_{backend}_{device.type}_"
+                                                     f"{time.strftime('%Y-%m-%d')}.md")
+                os.makedirs(args.output_dir, exist_ok=True)
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(text + "\n")
+                print(f"\nwritten to {path}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()

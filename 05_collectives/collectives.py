@@ -10,6 +10,7 @@ run.
     make collectives NPROC=4
 """
 
+import argparse
 import math
 import os
 import sys
@@ -19,7 +20,7 @@ from functools import reduce
 import torch
 import torch.distributed as dist
 
-from tools import course
+import common
 
 FAILED = []
 # torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn in 2.14); 2.11 has only
@@ -42,9 +43,9 @@ def table(rank, title, before, after, expected=None):
     dist.all_gather_object(rows, (_fmt(before), _fmt(after), ok))  # an object collective, used for display
     if rank == 0:
         verdict = "unchecked" if expected is None else ("OK" if all(r[2] for r in rows) else "WRONG")
-        course.say(f"{title}  [{verdict}]")
+        print(f"{title}  [{verdict}]")
         for r, (b, a, _) in enumerate(rows):
-            course.say(f"    rank {r}: {b:<28} -> {a}")
+            print(f"    rank {r}: {b:<28} -> {a}")
     if not all(row[2] for row in rows):
         FAILED.append(title)
 
@@ -92,7 +93,8 @@ def run_all(rank, ws, device, backend):
     values = [r + 1 for r in range(ws)]  # rank r contributes r + 1
     for name, dtype, fn in reductions:
         if name in UNSUPPORTED.get(backend, ()):
-            course.print0(rank, f"all_reduce({name})  [not supported by {backend}: not run]")
+            if rank == 0:
+                print(f"all_reduce({name})  [not supported by {backend}: not run]")
             continue
         x = t(rank + 1, dtype=dtype)
         before = x.clone()
@@ -134,7 +136,8 @@ def run_all(rank, ws, device, backend):
     send = [t(10 * rank + j) for j in range(ws)]  # piece j goes to rank j
     recv = [t(-1) for _ in range(ws)]
     if backend == "gloo" and not GLOO_ALL_TO_ALL_LIST:
-        course.print0(rank, f"all_to_all  [not supported by gloo in torch {torch.__version__}: not run]")
+        if rank == 0:
+            print(f"all_to_all  [not supported by gloo in torch {torch.__version__}: not run]")
     else:
         dist.all_to_all(recv, send)  # a transpose: rank j receives piece j from everyone
         table(rank, "all_to_all", send, recv, lambda r: [t(10 * k + r) for k in range(ws)])
@@ -162,20 +165,16 @@ def run_all(rank, ws, device, backend):
 
 
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
-    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 4 " + __file__)
     local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process): the two paths of the course
-        device, backend = course.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
-                                               local_rank=local_rank, procs_per_node=local_ws)
-    except course.UsageError as err:
-        parser.error(str(err))
-    course.print0(int(os.environ["RANK"]), course.runtime_report(device, backend, local_ws))
+    # Gloo on CPU tensors, NCCL on GPU tensors (one per process): the two paths of the course
+    device, backend = common.device_and_backend("cpu" if args.backend == "gloo" else "auto", args.backend,
+                                                local_rank, local_ws)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
@@ -184,9 +183,11 @@ def main():
         rank, ws = dist.get_rank(), dist.get_world_size()
         if ws < 2:
             parser.error("needs at least 2 processes: --nproc-per-node 2 or more")
-        course.print0(rank, f"{ws} ranks, backend {backend}, device {device.type}\n")
+        if rank == 0:
+            print(f"{ws} ranks, backend {backend}, device {device.type}, torch {torch.__version__}\n")
         run_all(rank, ws, device, backend)
-        course.print0(rank, f"\nresult: {'all collectives correct' if not FAILED else 'WRONG: ' + ', '.join(FAILED)}")
+        if rank == 0:
+            print(f"\nresult: {'all collectives correct' if not FAILED else 'WRONG: ' + ', '.join(FAILED)}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()

@@ -9,6 +9,8 @@ same model both ways on the same data and shows that the weights agree.
 Gloo on the CPU, or NCCL on GPUs when there is one GPU per process (--backend picks).
 """
 
+import argparse
+import gc
 import os
 from datetime import timedelta
 
@@ -18,8 +20,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-import workarounds
-from tools import course
 
 
 def train(model, rank, steps, sync_by_hand, device):
@@ -38,27 +38,23 @@ def train(model, rank, steps, sync_by_hand, device):
 
 
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
-    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process)
-        device, backend = course.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
-                                               local_rank=local_rank, procs_per_node=local_ws)
-    except course.UsageError as err:
-        parser.error(str(err))
-    course.print0(int(os.environ["RANK"]), course.runtime_report(device, backend, local_ws))
+    # Gloo on CPU tensors, NCCL on GPU tensors (one per process)
+    device, backend = common.device_and_backend("cpu" if args.backend == "gloo" else "auto", args.backend,
+                                                local_rank, local_ws)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     try:
-        rank = dist.get_rank()
+        rank, ws = dist.get_rank(), dist.get_world_size()
 
         torch.manual_seed(rank)  # deliberately different initial weights on every rank...
         by_hand = common.ToyModel().to(device)
@@ -77,13 +73,17 @@ def main():
         dist.broadcast(spread, src=0)
         same_everywhere = torch.tensor([float(torch.equal(spread, mine))], device=device)
         dist.all_reduce(same_everywhere, op=dist.ReduceOp.MIN)
-        course.print0(rank, f"{dist.get_world_size()} ranks, {args.steps} SGD steps on different data per rank")
-        course.print0(rank, f"  by hand: weights identical on all ranks: {bool(same_everywhere.item())}")
-        course.print0(rank, f"  by hand vs DistributedDataParallel: max |difference| = {diff.item():.2e}")
-        course.print0(rank, f"result: max_diff={diff.item():.3e} allclose={torch.allclose(mine, theirs, atol=1e-6)}")
+        if rank == 0:
+            print(f"{ws} ranks, backend {backend}, device {device.type}: {args.steps} SGD steps on different data "
+                  "per rank")
+            print(f"  by hand: weights identical on all ranks: {bool(same_everywhere.item())}")
+            print(f"  by hand vs DistributedDataParallel: max |difference| = {diff.item():.2e}")
+            print(f"result: max_diff={diff.item():.3e} allclose={torch.allclose(mine, theirs, atol=1e-6)}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
+        # workaround: a DDP model sits in reference cycles; freed only at exit, after its group, it can abort the
+        # process (02's README: "Let no DDP model outlive its process group")
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -15,16 +15,16 @@ mean IoU of a segmentation model comes out of the sum exactly.
 It runs on the CPU with Gloo on every machine, GPUs or not: the lesson is arithmetic, not devices.
 """
 
+import argparse
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Subset
+from torch.utils.data import DataLoader, RandomSampler, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 import common
-from tools import course, data
 
 
 def quick_model(data_dir, steps=100):
@@ -33,7 +33,8 @@ def quick_model(data_dir, steps=100):
     model = common.ConvNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     train = common.load_dataset("mnist-standin", data_dir, train=True)
-    for step, (x, y) in enumerate(course.batch_loader(train, 64, shuffle=True)):
+    loader = DataLoader(train, batch_size=64, sampler=RandomSampler(train, generator=torch.Generator().manual_seed(0)))
+    for step, (x, y) in enumerate(loader):
         if step == steps:
             break
         optimizer.zero_grad()
@@ -59,12 +60,11 @@ def mean_iou(matrix: torch.Tensor) -> float:
 
 
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="a checkpoint from the MNIST chain (default: train 100 steps)")
     parser.add_argument("--data-dir", default="data")
     parser.add_argument("--subset", type=int, default=0, help="evaluate only the first N test images")
     parser.add_argument("--timeout", type=float, default=60.0)
-    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 3 " + __file__)
@@ -73,9 +73,10 @@ def main():
         rank, ws = dist.get_rank(), dist.get_world_size()
         path = args.checkpoint or os.path.join(args.data_dir, "standin", "distributed_eval_model.pt")
         if rank == 0:
-            data.prepare("mnist-standin", args.data_dir, quiet=True)
+            common.prepare_data("mnist-standin", args.data_dir)
             if not args.checkpoint:
-                course.atomic_save(quick_model(args.data_dir), path)
+                torch.save(quick_model(args.data_dir), path + ".tmp")
+                os.replace(path + ".tmp", path)  # a run stopped while saving leaves no half-written model
         dist.barrier()  # the data and the model exist before anyone reads them
         state = torch.load(path, map_location="cpu", weights_only=True)
         model = common.ConvNet()
@@ -88,11 +89,12 @@ def main():
 
         # the shortcut: DistributedSampler pads to a multiple of the world size
         padded = DistributedSampler(test, num_replicas=ws, rank=rank, shuffle=False)
-        naive = common.evaluate(model, course.batch_loader(test, 500, sampler=padded), "cpu")
+        naive = common.evaluate(model, DataLoader(test, batch_size=500, sampler=padded), "cpu")
         # exact: disjoint strided shards, nothing repeated, nothing left out
-        exact = common.evaluate(model, course.batch_loader(test, 500, sampler=range(rank, n, ws)), "cpu")
+        shard = DataLoader(Subset(test, range(rank, n, ws)), batch_size=500)
+        exact = common.evaluate(model, shard, "cpu")
         mine = exact.clone()
-        matrix = confusion_matrix(model, course.batch_loader(test, 500, sampler=range(rank, n, ws)))
+        matrix = confusion_matrix(model, shard)
 
         dist.all_reduce(naive)             # every rank gets the (wrong) padded totals
         dist.reduce(exact, dst=0)          # only rank 0 needs the totals: reduce, not all_reduce
@@ -100,26 +102,27 @@ def main():
         rows = [None] * ws
         dist.all_gather_object(rows, (mine[1].item(), exact[1].item()))
         if rank == 0:
-            single = common.evaluate(model, course.batch_loader(test, 500), "cpu")
-            course.say(f"{n} test images, {ws} ranks")
-            course.say(f"  padded DistributedSampler: counted {int(naive[1])} images "
-                       f"({int(naive[1]) - n} counted twice), accuracy {naive[0] / naive[1]:.4f}")
-            course.say(f"  exact shards + reduce:     counted {int(exact[1])} images, "
-                       f"accuracy {exact[0] / exact[1]:.4f}")
-            course.say(f"  single process:            counted {int(single[1])} images, "
-                       f"accuracy {single[0] / single[1]:.4f}")
-            whole = confusion_matrix(model, course.batch_loader(test, 500))
-            course.say(f"  confusion matrix summed over the ranks: mean IoU {mean_iou(matrix):.4f} "
-                       f"(single process {mean_iou(whole):.4f}), matrices equal: {torch.equal(matrix, whole)}")
-            course.say("  after dist.reduce(dst=0), what each rank holds as its 'count':")
+            whole = DataLoader(test, batch_size=500)
+            single = common.evaluate(model, whole, "cpu")
+            print(f"{n} test images, {ws} ranks")
+            print(f"  padded DistributedSampler: counted {int(naive[1])} images "
+                  f"({int(naive[1]) - n} counted twice), accuracy {naive[0] / naive[1]:.4f}")
+            print(f"  exact shards + reduce:     counted {int(exact[1])} images, "
+                  f"accuracy {exact[0] / exact[1]:.4f}")
+            print(f"  single process:            counted {int(single[1])} images, "
+                  f"accuracy {single[0] / single[1]:.4f}")
+            one = confusion_matrix(model, whole)
+            print(f"  confusion matrix summed over the ranks: mean IoU {mean_iou(matrix):.4f} "
+                  f"(single process {mean_iou(one):.4f}), matrices equal: {torch.equal(matrix, one)}")
+            print("  after dist.reduce(dst=0), what each rank holds as its 'count':")
             total = sum(own for own, _ in rows)
             for r, (own, held) in enumerate(rows):  # what the value is, as seen; only dst's is promised
                 seen = "the total" if held == total else "its own shard" if held == own else "neither"
                 note = "dst" if r == 0 else "unspecified, read dst only"
-                course.say(f"    rank {r}: own shard {int(own)}, holds {held:g} = {seen} ({note})")
+                print(f"    rank {r}: own shard {int(own)}, holds {held:g} = {seen} ({note})")
             same = torch.equal(exact[:2], single[:2]) and torch.allclose(exact[2], single[2])
-            course.say(f"result: padded_count={int(naive[1])} exact_count={int(exact[1])} "
-                       f"exact_equals_single={same}")
+            print(f"result: padded_count={int(naive[1])} exact_count={int(exact[1])} "
+                  f"exact_equals_single={same}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()

@@ -25,25 +25,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tools import course
+import common
 
 
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("mismatch", "straggler"), required=True)
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds any collective may wait")
-    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process)
-        device, backend = course.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
-                                               local_rank=local_rank, procs_per_node=local_ws)
-    except course.UsageError as err:
-        parser.error(str(err))
+    # Gloo on CPU tensors, NCCL on GPU tensors (one per process)
+    device, backend = common.device_and_backend("cpu" if args.backend == "gloo" else "auto", args.backend,
+                                                local_rank, local_ws)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
@@ -51,8 +48,8 @@ def main():
     try:
         rank = dist.get_rank()
         debug = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF")
-        course.print0(rank, f"mode {args.mode}, backend {backend}, TORCH_DISTRIBUTED_DEBUG={debug}, "
-                            f"timeout {args.timeout:g} s")
+        if rank == 0:
+            print(f"mode {args.mode}, backend {backend}, TORCH_DISTRIBUTED_DEBUG={debug}, timeout {args.timeout:g} s")
         if args.mode == "mismatch":
             if rank == 0:  # the bug: a collective inside an `if rank == 0:` block
                 metrics = torch.ones(4, device=device)
@@ -64,7 +61,8 @@ def main():
             if rank == 1:
                 time.sleep(3 * args.timeout)  # stuck: a slow disk, a deadlock, an endless loop...
             dist.monitored_barrier(gloo, timeout=timedelta(seconds=args.timeout / 2), wait_all_ranks=True)
-        course.print0(rank, "no error: this should not happen")
+        if rank == 0:
+            print("no error: this should not happen")
     finally:
         dist.destroy_process_group()
 

@@ -8,40 +8,37 @@ Gloo on CPU tensors, or NCCL on GPU tensors when there is one GPU per process (-
 Every rank's tensor before and after each step is printed by rank 0 as one table.
 """
 
+import argparse
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from tools import course
+import common
 
 
 def show(rank, title, before, after):
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, (before.tolist(), after.tolist()))
     if rank == 0:
-        course.say(title)
+        print(title)
         for r, (b, a) in enumerate(rows):
-            course.say(f"    rank {r}: {str(b):<14} -> {a}")
+            print(f"    rank {r}: {str(b):<14} -> {a}")
     return rows
 
 
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
-    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    try:  # Gloo on CPU tensors, NCCL on GPU tensors (one per process)
-        device, backend = course.choose_device("cpu" if args.backend == "gloo" else "auto", args.backend,
-                                               local_rank=local_rank, procs_per_node=local_ws)
-    except course.UsageError as err:
-        parser.error(str(err))
-    course.print0(int(os.environ["RANK"]), course.runtime_report(device, backend, local_ws))
+    # Gloo on CPU tensors, NCCL on GPU tensors (one per process)
+    device, backend = common.device_and_backend("cpu" if args.backend == "gloo" else "auto", args.backend,
+                                                local_rank, local_ws)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
@@ -50,6 +47,8 @@ def main():
         rank, ws = dist.get_rank(), dist.get_world_size()
         if ws < 2:
             parser.error("needs at least 2 processes")
+        if rank == 0:
+            print(f"{ws} ranks, backend {backend}, device {device.type}, torch {torch.__version__}")
 
         # 1. blocking: rank 0 sends, rank 1 receives; both wait until the transfer is done
         x = torch.tensor([float(rank)], device=device)
@@ -80,8 +79,9 @@ def main():
         for req in dist.batch_isend_irecv(ops):  # posted together: no rank waits for a send to finish first
             req.wait()
         rows = show(rank, "ring with batch_isend_irecv: each rank receives from rank - 1", send, recv)
-        ok = all(rows[r][1] == [10.0 * ((r - 1) % ws)] for r in range(ws))
-        course.print0(rank, f"result: ring {'correct' if ok else 'WRONG'}")
+        if rank == 0:
+            ok = all(rows[r][1] == [10.0 * ((r - 1) % ws)] for r in range(ws))
+            print(f"result: ring {'correct' if ok else 'WRONG'}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()

@@ -1,13 +1,13 @@
 """Section 05: point-to-point and collective communication, exact evaluation, hangs made visible."""
 
+import ast
 import re
 
 import pytest
 import torch
 
 import common
-from harness import BARE_ENV, PYTHON, make, run
-from tools import course
+from harness import BARE_ENV, PYTHON, REPO, make, run
 
 # Gloo on CPU, as recorded in the project's measured facts: every op of the static table works
 # (reduce_scatter and all_to_all too, unlike the table); these fail.
@@ -31,7 +31,7 @@ def check_collectives(out: str, nproc: int, backend: str):
 def test_every_collective_gives_its_closed_form_result(nproc, bare):
     # bare: an interpreter without the course installed; torchrun's workers import tools/ all the same
     out = make("collectives", f"NPROC={nproc}", f"PY={bare}", env=BARE_ENV, timeout=120).stdout
-    check_collectives(out, nproc, course.choose_device(procs_per_node=nproc)[1])
+    check_collectives(out, nproc, common.device_and_backend(procs_per_node=nproc)[1])
     # the table shows every rank: the last all_to_all row of the last rank
     last = nproc - 1
     assert f"rank {last}: {[float(10 * last + j) for j in range(nproc)]}" in out
@@ -187,3 +187,31 @@ dist.destroy_process_group()
     # they warn where the new names exist (torch 2.13 on); in 2.11 they are the only names, and silent
     new = hasattr(torch.distributed, "all_gather_single")
     assert ("all_gather_single" in res.stdout and "reduce_scatter_single" in res.stdout) == new, res.stdout
+
+
+def test_the_scripts_are_plain_pytorch_without_the_course_machinery():
+    """Section 05's scripts import torch, the standard library, common.py and each other: never tools/ nor
+    workarounds.py, the course's own machinery."""
+    for script in sorted((REPO / "05_collectives").glob("*.py")):
+        tree = ast.parse(script.read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & {"tools", "workarounds"}, (script.name, sorted(imported))
+
+
+@pytest.mark.slow
+def test_one_case_of_the_error_gallery_runs_by_hand_with_torchrun():
+    """error_cases.py's docstring: torchrun runs one variant of one case; the broken one ends with PyTorch's own
+    message, the fixed one runs."""
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1", "--nproc-per-node",
+           "2", REPO / "05_collectives/error_cases.py", "different-models"]
+    broken = run([*cmd, "broken"], timeout=120, expect_rc=None)
+    assert broken.returncode != 0, broken.tail()
+    assert "appears not to match sizes of the same param in process 0" in broken.output, broken.tail()
+    fixed = run([*cmd, "fixed"], timeout=120)
+    assert "every rank built the same model" in fixed.stdout, fixed.tail()
+    # started without torchrun, it says how to start it, in argparse's words
+    alone = run([PYTHON, REPO / "05_collectives/error_cases.py", "different-models", "broken"], expect_rc=2)
+    assert "error: start me with torchrun" in alone.stderr, alone.tail()
