@@ -9,6 +9,7 @@
 Run this first on a new cluster: if it hangs or fails, training will too, and this is quicker to read.
 """
 
+import argparse
 import os
 import socket
 import sys
@@ -17,44 +18,37 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tools import course
+import common
 
 
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the other ranks")
-    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
-    if "RANK" not in os.environ:
-        parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
-    # without LOCAL_RANK (started by hand with RANK and WORLD_SIZE exported, or by the old launcher): its
-    # --local-rank, or on one machine local rank = rank
-    fallback = args.local_rank if args.local_rank >= 0 else int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", fallback))
-    procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    try:
-        device, backend = course.choose_device(args.device, args.backend, local_rank=local_rank,
-                                               procs_per_node=procs_per_node)
-    except course.UsageError as err:
-        parser.error(str(err))
-    course.print0(int(os.environ["RANK"]), course.runtime_report(device, backend, procs_per_node))
+    local_rank = int(os.environ["LOCAL_RANK"])  # torchrun sets it, with RANK, WORLD_SIZE and LOCAL_WORLD_SIZE
+    procs_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    device, backend = common.device_and_backend(args.device, args.backend, local_rank, procs_per_node)
+    if int(os.environ["RANK"]) == 0:
+        print(f"torch {torch.__version__}, {torch.cuda.device_count()} CUDA GPU(s) visible; this run: "
+              f"{procs_per_node} process(es) per node on {device.type} with {backend}", flush=True)
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
-    course.say(f"[pid {os.getpid()}] initialising the process group ({backend}, timeout {args.timeout:g} s)")
+    print(f"[pid {os.getpid()}] initialising the process group ({backend}, timeout {args.timeout:g} s)", flush=True)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),  # env:// from torchrun
                             device_id=device if backend == "nccl" else None)  # NCCL: bind this GPU now
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        course.say(f"[pid {os.getpid()}] rank={rank} local_rank={local_rank} world_size={world_size} "
-                   f"backend={dist.get_backend()} device={device} host={socket.gethostname()}")
+        print(f"[pid {os.getpid()}] rank={rank} local_rank={local_rank} world_size={world_size} "
+              f"backend={dist.get_backend()} device={device} host={socket.gethostname()}", flush=True)
         total = torch.ones(1, device=device)
         dist.all_reduce(total)  # every rank adds 1: the sum must be the world size
         ok = int(total.item()) == world_size
-        course.print0(rank, f"process group of {world_size} is {'OK' if ok else 'broken'}: "
-                            f"all_reduce of ones = {int(total.item())}")
+        if rank == 0:
+            print(f"process group of {world_size} is {'OK' if ok else 'broken'}: all_reduce of ones = "
+                  f"{int(total.item())}", flush=True)
     finally:
         dist.destroy_process_group()
     sys.exit(0 if ok else 1)

@@ -10,8 +10,9 @@ hook counts the all-reduces, and both variants are compared with one process on 
 It runs on the CPU with Gloo on every machine, GPUs or not: the lesson is arithmetic, not devices.
 """
 
+import argparse
 import contextlib
-import os
+import gc
 from datetime import timedelta
 
 import torch
@@ -21,8 +22,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-import workarounds
-from tools import course
 
 
 def counting_allreduce(state, bucket):
@@ -46,16 +45,14 @@ def accumulated_grads(rank, x, y, accum, use_no_sync):
 
 
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--accum-steps", type=int, default=4)
-    parser.add_argument("--micro-batch", type=int, default=8)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--accum-steps", type=int, default=4, help="micro-batches per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=8, help="samples per micro-batch")
     parser.add_argument("--timeout", type=float, default=30.0)
-    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
-    if "RANK" not in os.environ:
-        parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     if args.accum_steps < 1 or args.micro_batch < 1:
         parser.error("--accum-steps and --micro-batch must be at least 1")
+    # the CPU and Gloo on every machine: the lesson is arithmetic; RANK and WORLD_SIZE come from torchrun
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     try:
         rank, ws = dist.get_rank(), dist.get_world_size()
@@ -73,17 +70,18 @@ def main():
         big = torch.cat([p.grad.flatten() for p in reference.parameters()])
 
         d1, d2 = (with_no_sync - big).abs().max().item(), (every_step - big).abs().max().item()
-        course.print0(rank, f"{ws} ranks x {args.accum_steps} micro-batches of {args.micro_batch} "
-                            f"vs one batch of {ws * per_rank}:")
-        course.print0(rank, f"  with no_sync:    {calls_no_sync} all-reduce(s), max |grad difference| {d1:.2e}, "
-                            f"gradient norm {with_no_sync.norm():.7f}")
-        course.print0(rank, f"  without no_sync: {calls_every} all-reduce(s), max |grad difference| {d2:.2e}, "
-                            f"gradient norm {every_step.norm():.7f}")
-        course.print0(rank, f"result: calls_no_sync={calls_no_sync} calls_every_step={calls_every} "
-                            f"equal={d1 < 1e-6 and d2 < 1e-6}")
+        if rank == 0:
+            print(f"{ws} ranks x {args.accum_steps} micro-batches of {args.micro_batch} "
+                  f"vs one batch of {ws * per_rank}:\n"
+                  f"  with no_sync:    {calls_no_sync} all-reduce(s), max |grad difference| {d1:.2e}, "
+                  f"gradient norm {with_no_sync.norm():.7f}\n"
+                  f"  without no_sync: {calls_every} all-reduce(s), max |grad difference| {d2:.2e}, "
+                  f"gradient norm {every_step.norm():.7f}\n"
+                  f"result: calls_no_sync={calls_no_sync} calls_every_step={calls_every} "
+                  f"equal={d1 < 1e-6 and d2 < 1e-6}", flush=True)
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
+        gc.collect()  # a DDP model lives in reference cycles: free it before its group goes, or exit can abort
         dist.destroy_process_group()
 
 

@@ -14,6 +14,7 @@ CPU with Gloo by default, on any machine. With --device cuda (NCCL with a GPU pe
 --backend gloo to share GPUs) nn.SyncBatchNorm is held to the same account, next to this module.
 """
 
+import argparse
 import os
 from datetime import timedelta
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tools import course
+import common
 
 
 class SumOverRanks(torch.autograd.Function):
@@ -80,22 +81,16 @@ def convert_batchnorm(module: nn.Module) -> nn.Module:
 
 
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-rank", type=int, default=4, help="samples per rank")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: on GPUs, with nn.SyncBatchNorm compared too (default %(default)s)")
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--timeout", type=float, default=30.0)
-    course.accept_local_rank(parser)  # what the deprecated torch.distributed.launch passes
     args = parser.parse_args()
-    if "RANK" not in os.environ:
-        parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
-    local_rank, local_ws = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    try:
-        device, backend = course.choose_device(args.device, args.backend, local_rank=local_rank,
-                                               procs_per_node=local_ws)
-    except course.UsageError as err:
-        parser.error(str(err))
+    local_rank = int(os.environ["LOCAL_RANK"])  # torchrun sets it, with RANK, WORLD_SIZE and LOCAL_WORLD_SIZE
+    device, backend = common.device_and_backend(args.device, args.backend, local_rank,
+                                                int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
@@ -130,22 +125,21 @@ def main():
         local = nn.BatchNorm2d(3).to(device)(x_all[mine])  # plain BatchNorm on the slice, for contrast
         plain = torch.tensor([(local - y_ref[mine]).abs().max().item()], device=device)
         dist.all_reduce(plain, op=dist.ReduceOp.MAX)
-        course.print0(rank, f"{ws} ranks x {args.per_rank} samples vs nn.BatchNorm2d on all {ws * args.per_rank} "
-                            f"({backend}, {device.type}):")
-        for key, value in diffs.items():
-            course.print0(rank, f"  {key:<13} max |difference| on rank 0: {value:.2e}")
-        course.print0(rank, f"  plain BatchNorm2d on one rank's slice differs by {plain.item():.2e}")
-        course.print0(rank, "  rank 0's running statistics: mean " + " ".join(f"{v:.7f}" for v in by_hand.running_mean)
-                      + ", var " + " ".join(f"{v:.7f}" for v in by_hand.running_var))
+        lines = [f"{ws} ranks x {args.per_rank} samples vs nn.BatchNorm2d on all {ws * args.per_rank} "
+                 f"({backend}, {device.type}):"]
+        lines += [f"  {key:<13} max |difference| on rank 0: {value:.2e}" for key, value in diffs.items()]
+        lines.append(f"  plain BatchNorm2d on one rank's slice differs by {plain.item():.2e}")
+        lines.append("  rank 0's running statistics: mean " + " ".join(f"{v:.7f}" for v in by_hand.running_mean)
+                     + ", var " + " ".join(f"{v:.7f}" for v in by_hand.running_var))
         result = f"result: max_diff={worst:.3e} plain_diff={plain.item():.3e}"
         ok = worst < 1e-5
         if device.type == "cuda":  # PyTorch's own, which trains on GPUs only
             _, sync_worst = differences(nn.SyncBatchNorm(3).to(device))
-            course.print0(rank, f"  nn.SyncBatchNorm, worst over output, gradient, statistics and ranks: "
-                                f"{sync_worst:.2e}")
+            lines.append(f"  nn.SyncBatchNorm, worst over output, gradient, statistics and ranks: {sync_worst:.2e}")
             result += f" syncbn_diff={sync_worst:.3e}"
             ok = ok and sync_worst < 1e-5
-        course.print0(rank, f"{result} equal={ok}")
+        if rank == 0:
+            print("\n".join([*lines, f"{result} equal={ok}"]), flush=True)
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
         dist.destroy_process_group()

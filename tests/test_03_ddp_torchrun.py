@@ -226,3 +226,13 @@ def test_running_without_torchrun_names_the_missing_variable():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     res = run([PYTHON, REPO / "03_ddp_torchrun/mnist_torchrun.py"], env=env, expect_rc=1)
     assert "KeyError: 'RANK'" in res.stderr
+
+
+def test_the_readme_shows_the_smallest_program_whole_and_as_it_is():
+    """03's README shows elastic_ddp.py whole, near its top: the copy there is the file, byte for byte."""
+    readme = (REPO / "03_ddp_torchrun/README.md").read_text()
+    source = (REPO / "03_ddp_torchrun/elastic_ddp.py").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```$", readme, re.M | re.S)
+    assert source in blocks, "the README's copy of elastic_ddp.py differs from the file"
+    assert readme.index(source) < readme.index("## Run it"), "the whole program comes before the first commands"
+    assert len(source.splitlines()) <= 70  # the smallest complete program stays small
