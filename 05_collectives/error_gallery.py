@@ -149,11 +149,6 @@ def wordings(message: str | tuple[str, ...]) -> tuple[str, ...]:
     return (message,) if isinstance(message, str) else message
 
 
-def launch_both(name: str) -> tuple[Launch, Launch]:
-    """The broken and the fixed variant of one case side by side."""
-    return Launch(name, "broken", common.free_port()), Launch(name, "fixed", common.free_port())
-
-
 def report(name: str, broken: Launch, fixed: Launch) -> bool:
     """Says what one case did; True when it behaved as described."""
     message = CASES[name][1]
@@ -198,7 +193,7 @@ def main() -> int:
     while waiting or running:
         while waiting and len(running) < 4:
             name = waiting.pop(0)
-            running[name] = launch_both(name)
+            running[name] = Launch(name, "broken", common.free_port()), Launch(name, "fixed", common.free_port())
         for name, (broken, fixed) in list(running.items()):
             if broken.poll() & fixed.poll():  # &, not and: poll both every time
                 finished[name] = running.pop(name)
