@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import common
-from harness import DEAD_PROXY, PYTHON, REPO, TEST_IMAGES, TORCHRUN, exits, make, python, run
+from harness import BARE_ENV, DEAD_PROXY, PYTHON, REPO, TEST_IMAGES, TORCHRUN, exits, make, python, run
 from tools import tracecheck
 
 
@@ -96,6 +96,55 @@ def test_a_copied_chain_script_trains_another_dataset_and_model_in_an_empty_fold
                "wait $p1; echo exits $a $?"], cwd=project, timeout=180)
     assert "exits 0 0" in res.stdout and "rank 1 (local rank 1) of 2 joined via tcp://" in res.stdout, res.tail()
     assert res.final["test_samples"] == 128 and res.final["world_size"] == 2, res.tail()
+
+
+# Every script a README tells people to copy, what it imports besides itself, and the flags that pull that in
+COPYABLE = {
+    "01_dataparallel/mnist_single.py": ([], []),
+    "01_dataparallel/mnist_dataparallel.py": ([], []),
+    "02_ddp_spawn/mnist_spawn.py": ([], ["--nproc", "2"]),
+    "03_ddp_torchrun/mnist_torchrun.py": ([], []),
+    "04_multinode_tcp/mnist_tcp.py": ([], []),
+    "06_amp_syncbn/mnist_amp_syncbn.py": (["06_amp_syncbn/syncbn_by_hand.py"], ["--sync-bn"]),
+}
+
+
+@pytest.mark.slow
+def test_each_copyable_script_trains_from_an_empty_folder_offline_without_the_course(bare, data_dir, tmp_path):
+    """Each script as a user copies it: into an empty folder with only what it imports (common.py, and for step 6
+    with --sync-bn syncbn_by_hand.py), run by an interpreter that holds torch but not the course (no tools, no
+    workarounds), offline, on a data folder already on disk: the stand-in's files."""
+    data = tmp_path / "data"  # a prepared data folder, as `make data` leaves it
+    shutil.copytree(data_dir, data, copy_function=os.link, ignore=shutil.ignore_patterns("*.lock"))
+    env = {**BARE_ENV, **DEAD_PROXY, "OMP_NUM_THREADS": "1"}
+    short = ["--dataset", "mnist-standin", "--data-dir", data, "--epochs", "1", "--max-steps", "3", "--timeout", "30"]
+    torchrun = [bare, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1", "--nproc-per-node"]
+    for script, (helpers, flags) in COPYABLE.items():
+        project = tmp_path / Path(script).stem
+        project.mkdir()
+        for file in ["common.py", script, *helpers]:
+            shutil.copy(REPO / file, project)
+        copied = project / Path(script).name
+        if "torchrun" in script or "amp_syncbn" in script:
+            res = run([*torchrun, "2", copied, *short, *flags], cwd=project, env=env, timeout=180)
+        elif "tcp" in script:  # two processes started by hand, meeting at rank 0's address
+            port = common.free_port()
+            procs = [shlex.join(map(str, [bare, copied, "--init-method", f"tcp://127.0.0.1:{port}", "--world-size",
+                                          "2", "--rank", r, *short])) for r in (1, 0)]
+            res = run(["bash", "-c", f"{procs[0]} & p1=$!; {procs[1]}; a=$?; wait $p1; echo exits $a $?"],
+                      cwd=project, env=env, timeout=180)
+            assert "exits 0 0" in res.stdout, res.tail()
+        else:
+            res = run([bare, copied, *short, *flags], cwd=project, env=env, timeout=180)
+        final = res.final
+        assert final["test_samples"] == TEST_IMAGES and final["dataset"] == "mnist-standin", res.tail()
+        assert final["world_size"] == (1 if "01_" in script else 2), res.tail()
+        assert "Traceback" not in res.stderr, res.tail()
+    assert "sync-bn True" in res.stdout, res.tail()  # the step-6 run, with the all_reduce batch norm on a CPU
+    # ... which needs the helper it was copied with: without it, the same command stops at the import
+    (project / "syncbn_by_hand.py").unlink()
+    res = run([*torchrun, "1", copied, *short, "--sync-bn"], cwd=project, env=env, timeout=120, expect_rc=1)
+    assert "No module named 'syncbn_by_hand'" in res.stderr, res.tail()
 
 
 def test_bad_input_is_one_line_not_a_traceback(tmp_path):
