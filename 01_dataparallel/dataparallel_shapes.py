@@ -15,12 +15,14 @@ gathered scalars). `loss.mean()` makes it one number again, but it weighs every 
 pieces differ in size (30 over 4 GPUs: 8, 8, 8, 6) that is not the loss of the whole batch.
 """
 
+import argparse
+import sys
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from tools import course
+import common
 
 
 class RandomDataset(Dataset):
@@ -57,20 +59,22 @@ class ShapeModel(nn.Module):
     def forward(self, x):
         out = self.fc(x)
         where = f"cuda:{x.device.index}" if x.is_cuda else "cpu"
-        # one write per line: DataParallel runs the replicas in threads, and print() could interleave them
-        course.say(f"    In Model on {where}: input size {list(x.shape)} output size {list(out.shape)}")
+        # one write per line: DataParallel runs the replicas in threads, and print() writes the text and the
+        # newline separately, so two replicas' lines could interleave
+        sys.stdout.write(f"    In Model on {where}: input size {list(x.shape)} output size {list(out.shape)}\n")
+        sys.stdout.flush()
         return out
 
 
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=None,
                         help="how many GPUs to split over (default: all visible; on CPU: 2, simulated)")
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=30)
     parser.add_argument("--loss-inside", action="store_true", help="the model returns its loss (see above)")
     args = parser.parse_args()
-    visible = course.gpu_count()
+    visible = common.usable_gpus()  # 0 without CUDA, or with GPUs too old for this torch
     if args.gpus is not None and args.gpus < 1:
         parser.error("--gpus must be at least 1")
     n = args.gpus or max(visible, 2)  # by default all GPUs, and at least the 2 that make a split worth seeing
