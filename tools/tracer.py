@@ -74,6 +74,7 @@ def _crc(tensors) -> str | None:
     crc, seen = 0, False
     for t in tensors:
         seen = True
+        t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensor: this rank's shard
         crc = zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
     return f"{crc:08x}" if seen else None
 
