@@ -54,7 +54,7 @@ PREFLIGHT = $(PY) tools/preflight.py --nproc $(NPROC)
 .DEFAULT_GOAL := help
 .PHONY: help existing-python setup data smoke test test-fast notebooks diffs mutants lint clean distclean check-nproc \
         dataparallel dp-shapes ddp-basics ddp-equivalence ddp-spawn ddp-timeline \
-        ddp-torchrun init-check ddp-minimal elastic-restart elastic-stress exit-stress launch-legacy \
+        ddp-torchrun init-check ddp-minimal elastic-restart elastic-stress exit-stress free-stress launch-legacy \
         multinode-tcp multinode-file multinode-torchrun multinode-spawn multinode-netns check-nnodes \
         collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo errors doctor \
         amp-syncbn syncbn-proof grad-accum cifar-resnet \
@@ -169,6 +169,9 @@ elastic-stress: $(STAMP) check-nproc ## the restart demo RUNS times with and RUN
 
 exit-stress: $(STAMP) ## a finished 3-rank job RUNS times, leaving with and without os._exit: how often it aborts
 	$(PY) bench/stress.py exit --runs $(RUNS) --output-dir $(BENCH_OUT) $(ARGS)
+
+free-stress: $(STAMP) ## a finished 2-rank job RUNS times, its DDP model freed or not before destroy_process_group
+	$(PY) bench/stress.py free --runs $(RUNS) --output-dir $(BENCH_OUT) $(ARGS)
 
 launch-legacy: $(STAMP) check-nproc ## the deprecated python -m torch.distributed.launch (passes --local-rank)
 	@$(PREFLIGHT) --run $(PY) -m torch.distributed.launch --local-addr 127.0.0.1 --nproc-per-node $(NPROC) 03_ddp_torchrun/mnist_torchrun.py $(DIST_ARGS)

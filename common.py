@@ -79,16 +79,20 @@ def device_and_backend(device: str = "auto", backend: str = "auto", local_rank: 
     A run that leaves GPUs unused says so loudly, once per machine.
     """
     gpus = usable_gpus()
+    if device == "cuda" and gpus == 0:
+        raise RuntimeError("--device cuda: no usable CUDA GPU here; use --device cpu")
+    if backend == "nccl" and gpus == 0:
+        raise RuntimeError("--backend nccl needs CUDA GPUs and none is usable here; use --backend gloo")
+    if backend == "nccl" and device == "cpu":
+        raise RuntimeError("--backend nccl works on CUDA tensors only; drop --device cpu or use --backend gloo")
+    if (backend == "nccl" or (backend == "auto" and device == "cuda")) and procs_per_node > gpus:
+        raise RuntimeError(f"NCCL needs one GPU per process: {procs_per_node} processes on this machine, {gpus} "
+                           f"usable GPU(s); start at most {gpus} (NPROC={gpus}), or add --backend gloo to let "
+                           f"processes share GPUs")
     if device == "auto":
         device = "cuda" if 0 < procs_per_node <= gpus else "cpu"
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
-    if device == "cuda" and gpus == 0:
-        raise RuntimeError("--device cuda: no usable CUDA GPU here; use --device cpu")
-    if backend == "nccl" and (device == "cpu" or procs_per_node > gpus):  # NCCL refuses a shared GPU or the CPU
-        why = ("--device cpu" if procs_per_node <= gpus else
-               f"{procs_per_node} process(es) on this machine, {gpus} usable GPU(s)")
-        raise RuntimeError(f"NCCL needs one GPU per process ({why}); use --backend gloo")
     if device == "cpu" and torch.cuda.is_available() and local_rank == 0:
         why = (f"these GPUs are older than this torch build supports: {', '.join(too_old_gpus())}" if not gpus
                else f"{procs_per_node} processes on this machine, {gpus} GPU(s): at most one process per GPU"

@@ -4,6 +4,8 @@
                                                #   without the per-attempt store the restart fails or hangs
     python bench/stress.py exit --runs 10      # make exit-stress: a finished 3-rank Gloo job; without os._exit
                                                #   some runs abort after their work is done
+    python bench/stress.py free --runs 20      # make free-stress: a DDP model alive at destroy_process_group;
+                                               #   freed first with gc.collect(), or left to the exit
 
 With and without alternate, run by run, so that a noisy moment of the machine hits both alike. The record,
 stress_<name>_<machine>_<date>.{json,md}, says how many runs succeeded each way, and how each one ended.
@@ -64,8 +66,17 @@ def outcome(cmd: list[str], workarounds_on: bool, timeout: float, ok) -> tuple[b
     return (True, "ok", out) if ok(out) else (False, "finished without the expected result", out)
 
 
+def free_run(workarounds_on: bool, nproc: int, tmp: Path, timeout: float, device: str) -> tuple[bool, str, str]:
+    """A finished 2-rank DDP job whose model is still alive at destroy_process_group, freed first with gc.collect()
+    or not: exit code 0, or how it ended."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+           "--nproc-per-node", "2", str(REPO / "bench/exit_toy.py")]
+    return outcome(cmd, workarounds_on, timeout, ok=lambda out: "rank 0 done" in out)
+
+
 CASES = {"elastic": (elastic_run, "the restarted group recovers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)", 180),
-         "exit": (exit_run, "the finished job exits with code 0 (workarounds.leave, since removed)", 120)}
+         "exit": (exit_run, "the finished job exits with code 0 (workarounds.leave, since removed)", 120),
+         "free": (free_run, "the finished job exits with code 0 (gc.collect() before destroy_process_group)", 60)}
 
 
 def main(argv=None) -> int:

@@ -232,63 +232,51 @@ def fake_gpus(monkeypatch, n: int, name: str = "NVIDIA Test GPU"):
 def test_cpu_machine_gets_cpu_and_gloo(monkeypatch):
     fake_gpus(monkeypatch, 0)
     cpu = torch.device("cpu")
-    assert course.choose_device("auto", "auto", procs_per_node=2) == (cpu, "gloo")
-    assert course.choose_device("cpu", "gloo", procs_per_node=4) == (cpu, "gloo")
-    assert course.choose_device("auto", None) == (cpu, None)  # a single-process script
-    with pytest.raises(course.UsageError, match="nccl needs CUDA"):
-        course.choose_device("auto", "nccl")
-    with pytest.raises(course.UsageError, match="no usable CUDA GPU"):
-        course.choose_device("cuda", "auto")
-    with pytest.raises(course.UsageError, match="at least 1"):
-        course.choose_device("auto", "auto", procs_per_node=0)
+    assert common.device_and_backend("auto", "auto", procs_per_node=2) == (cpu, "gloo")
+    assert common.device_and_backend("cpu", "gloo", procs_per_node=4) == (cpu, "gloo")
+    with pytest.raises(RuntimeError, match="^--backend nccl needs CUDA GPUs and none is usable here"):
+        common.device_and_backend("auto", "nccl")
+    with pytest.raises(RuntimeError, match="^--device cuda: no usable CUDA GPU"):
+        common.device_and_backend("cuda", "auto")
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])
 def test_gpu_machines_get_one_gpu_per_nccl_process(monkeypatch, gpus):
     fake_gpus(monkeypatch, gpus)
     for local_rank in range(gpus):  # as many processes as GPUs: CUDA + NCCL, local rank r on cuda:r
-        assert course.choose_device("auto", "auto", local_rank=local_rank, procs_per_node=gpus) == \
+        assert common.device_and_backend("auto", "auto", local_rank=local_rank, procs_per_node=gpus) == \
             (torch.device("cuda", local_rank), "nccl")
-    assert course.choose_device("auto", None) == (torch.device("cuda", 0), None)
-    # more processes than GPUs: auto falls back to the CPU; asking for NCCL or CUDA is refused in one line
-    assert course.choose_device("auto", "auto", procs_per_node=gpus + 1) == (torch.device("cpu"), "gloo")
+    # more processes than GPUs: auto falls back to the CPU (and says so); asking for NCCL or CUDA is refused
+    assert common.device_and_backend("auto", "auto", procs_per_node=gpus + 1) == (torch.device("cpu"), "gloo")
     for device, backend in (("auto", "nccl"), ("cuda", "auto"), ("cuda", "nccl")):
-        with pytest.raises(course.UsageError, match=f"one GPU per process.*NPROC={gpus}.*--backend gloo"):
-            course.choose_device(device, backend, procs_per_node=gpus + 1)
-    with pytest.raises(course.UsageError, match="CUDA tensors only"):
-        course.choose_device("cpu", "nccl")
-    assert course.choose_device("cpu", "auto", procs_per_node=gpus) == (torch.device("cpu"), "gloo")
+        with pytest.raises(RuntimeError, match=f"^NCCL needs one GPU per process: {gpus + 1} processes on this "
+                                               f"machine, {gpus} usable GPU.*NPROC={gpus}.*--backend gloo"):
+            common.device_and_backend(device, backend, procs_per_node=gpus + 1)
+    with pytest.raises(RuntimeError, match="CUDA tensors only"):
+        common.device_and_backend("cpu", "nccl")
+    assert common.device_and_backend("cpu", "auto", procs_per_node=gpus) == (torch.device("cpu"), "gloo")
 
 
 def test_processes_share_gpus_only_with_gloo_and_cuda_asked_for(monkeypatch):
     fake_gpus(monkeypatch, 1)
-    placed = [course.choose_device("cuda", "gloo", local_rank=r, procs_per_node=3) for r in range(3)]
+    placed = [common.device_and_backend("cuda", "gloo", local_rank=r, procs_per_node=3) for r in range(3)]
     assert placed == [(torch.device("cuda", 0), "gloo")] * 3
     fake_gpus(monkeypatch, 2)
-    placed = [course.choose_device("cuda", "gloo", local_rank=r, procs_per_node=4)[0].index for r in range(4)]
+    placed = [common.device_and_backend("cuda", "gloo", local_rank=r, procs_per_node=4)[0].index for r in range(4)]
     assert placed == [0, 1, 0, 1], "local rank r uses cuda:r % GPUs"
 
 
-@pytest.mark.parametrize("gpus", [0, 1, 2])
-def test_the_scripts_device_choice_refuses_nccl_without_a_gpu_per_process(monkeypatch, gpus):
-    """common.device_and_backend, which the scripts call (torchrun by hand has no preflight): NCCL with more
-    processes than GPUs, or on the CPU, is one line before any process group, not torch's error from inside it."""
-    fake_gpus(monkeypatch, gpus)
-    procs = gpus + 1
-    refused = [("auto", "nccl", procs), ("cpu", "nccl", 1)] + ([("cuda", "auto", procs), ("cuda", "nccl", procs)]
-                                                                if gpus else [])
-    for device, backend, n in refused:
-        with pytest.raises(RuntimeError, match=r"^NCCL needs one GPU per process \((" + f"{n} process\\(es\\) on "
-                           f"this machine, {gpus} usable GPU\\(s\\)|--device cpu)\\); use --backend gloo$"):
-            common.device_and_backend(device, backend, local_rank=0, procs_per_node=n)
-    cpu = torch.device("cpu")
-    assert common.device_and_backend("auto", "auto", 0, procs) == (cpu, "gloo")  # auto falls back, NOTE printed
-    if gpus:  # what still works: one GPU per process with NCCL, processes sharing GPUs through Gloo
-        assert common.device_and_backend("auto", "nccl", gpus - 1, gpus) == (torch.device("cuda", gpus - 1), "nccl")
-        assert common.device_and_backend("cuda", "gloo", procs - 1, procs) == (torch.device("cuda", 0), "gloo")
+def test_a_run_that_leaves_gpus_unused_says_so_once_per_machine(monkeypatch, capsys):
+    fake_gpus(monkeypatch, 1, "NVIDIA H100 80GB HBM3")
+    assert common.device_and_backend("auto", "auto", local_rank=0, procs_per_node=2)[0].type == "cpu"
+    assert "NOTE: THIS RUN USES THE CPU although CUDA GPUs are visible (2 processes on this machine, 1 GPU(s)" \
+        in capsys.readouterr().out
+    common.device_and_backend("auto", "auto", local_rank=1, procs_per_node=2)  # local rank 1: quiet
+    common.device_and_backend("cuda", "nccl", local_rank=0, procs_per_node=1)  # the GPU used: nothing to say
+    assert capsys.readouterr().out == ""
 
 
-def test_runtime_report_names_the_build_and_says_loudly_when_gpus_go_unused(monkeypatch):
+def test_runtime_report_names_the_build_and_the_gpus(monkeypatch):
     fake_gpus(monkeypatch, 0)
     monkeypatch.setattr(course.shutil, "which", lambda name: None)
     first = course.runtime_report(torch.device("cpu"), "gloo", 2)
@@ -298,24 +286,19 @@ def test_runtime_report_names_the_build_and_says_loudly_when_gpus_go_unused(monk
     monkeypatch.setattr(course.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
     assert "NOTE: nvidia-smi is installed but torch sees no usable GPU" in \
         course.runtime_report(torch.device("cpu"), "gloo", 2)
-
     fake_gpus(monkeypatch, 1, "NVIDIA H100 80GB HBM3")
-    report = course.runtime_report(torch.device("cpu"), "gloo", 2)
-    assert "1 GPU(s): NVIDIA H100 80GB HBM3" in report
-    assert "NOTE: THIS RUN USES THE CPU although 1 GPU(s) are visible" in report and "NPROC=1" in report
-    assert "--device cpu was asked for" in course.runtime_report(torch.device("cpu"), "gloo", 1)
+    assert "1 GPU(s): NVIDIA H100 80GB HBM3" in course.runtime_report(torch.device("cpu"), "gloo", 2)
     assert "share 1 GPU(s) through Gloo" in course.runtime_report(torch.device("cuda", 0), "gloo", 2)
     assert "NOTE" not in course.runtime_report(torch.device("cuda", 0), "nccl", 1)
 
 
-def test_gpus_older_than_the_build_are_not_used(monkeypatch):
+def test_gpus_older_than_the_build_are_not_used(monkeypatch, capsys):
     """A GPU below the build's lowest compute capability has no kernels: the CPU runs, and a NOTE says why."""
     fake_gpus(monkeypatch, 2, "Tesla P100")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (6, 0))
-    assert course.gpu_count() == 0
-    assert course.choose_device("auto", "auto", procs_per_node=2) == (torch.device("cpu"), "gloo")
-    report = course.runtime_report(torch.device("cpu"), "gloo", 2)
-    assert "THIS RUN USES THE CPU" in report and "Tesla P100 (6.0)" in report
+    assert common.usable_gpus() == 0
+    assert common.device_and_backend("auto", "auto", procs_per_node=2) == (torch.device("cpu"), "gloo")
+    assert "older than this torch build supports: Tesla P100, Tesla P100" in capsys.readouterr().out
 
 
 def _parser():
@@ -332,7 +315,7 @@ def _parser():
     (["--lr", "nan"], "--lr must be a positive number, got nan"),
     (["--lr", "0"], "--lr must be a positive number, got 0.0"),
     (["--timeout", "inf"], "--timeout must be a positive number, got inf"),
-    (["--backend", "nccl"], "nccl needs CUDA"),
+    (["--backend", "nccl"], "--backend nccl needs CUDA GPUs"),
     (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
 ], ids=["dataset", "epochs-0", "epochs-abc", "batch-size-negative", "max-steps-negative", "lr-nan", "lr-0",
         "timeout-inf", "nccl-without-gpu", "batch-size-0"])

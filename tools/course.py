@@ -142,9 +142,10 @@ def check_args(parser: argparse.ArgumentParser, args, *, rank: int = 0, world_si
             _check_checkpoint_dir(Path(args.checkpoint_dir))
         if getattr(args, "init_method", None):
             _check_init_method(args.init_method)
-        return choose_device(args.device, getattr(args, "backend", None), local_rank=local_rank,
-                             procs_per_node=procs_per_node)
-    except UsageError as err:
+        device, backend = common.device_and_backend(args.device, getattr(args, "backend", "auto"),
+                                                    local_rank=local_rank, procs_per_node=procs_per_node)
+        return device, backend if hasattr(args, "backend") else None  # a single-process script has no backend
+    except (UsageError, RuntimeError) as err:
         parser.error(str(err))
 
 
@@ -243,22 +244,13 @@ def runtime_report(device: torch.device, backend: str | None = None, procs_per_n
         seen = "no CUDA GPU visible"
     run = f"{procs_per_node} process(es) per node on {device.type}" + (f" with {backend}" if backend else "")
     lines = [f"torch {torch.__version__} ({build}), {seen}; this run: {run}"]
+    # a run on the CPU although GPUs are visible (too few, too old, or --device cpu) has its NOTE already, from
+    # common.device_and_backend, which chose the device
     need = procs_per_node * gpus_per_process
-    if gpus and device.type == "cpu":
-        most = gpus // gpus_per_process
-        why = (f"{procs_per_node} process(es) per node need {need} GPUs. Start at most {most} per node "
-               f"(NPROC={most}), or use --device cuda --backend gloo to let processes share GPUs"
-               if need > gpus else "--device cpu was asked for")
-        lines.append(f"NOTE: THIS RUN USES THE CPU although {gpus} GPU(s) are visible: {why}.")
-    elif device.type == "cuda" and need > gpus:
+    if device.type == "cuda" and need > gpus:
         lines.append(f"NOTE: {procs_per_node} processes share {gpus} GPU(s) through Gloo (local rank r uses "
                      f"cuda:r % {gpus}): every CUDA code path runs, NCCL does not. For speed, one GPU per process.")
-    elif not gpus and torch.cuda.is_available():
-        lines.append(f"NOTE: THIS RUN USES THE CPU: this torch build has GPU kernels for compute capability "
-                     f"{'.'.join(map(str, _lowest_arch()))} and newer, and these GPUs are older: "
-                     f"{', '.join(_too_old_gpus(torch.cuda.device_count()))}. Install a torch build for them "
-                     f"(pytorch.org), or keep the CPU.")
-    elif not gpus and torch.version.cuda and shutil.which("nvidia-smi"):
+    elif not gpus and not torch.cuda.is_available() and torch.version.cuda and shutil.which("nvidia-smi"):
         floor = _DRIVER_FLOOR.get(torch.version.cuda.split(".")[0], "recent enough")
         lines.append(f"NOTE: nvidia-smi is installed but torch sees no usable GPU, so this run uses the CPU. This "
                      f"torch is built for CUDA {torch.version.cuda}: it needs an NVIDIA driver {floor} or newer "

@@ -112,8 +112,8 @@ def check_checkpoint(parser, args, script: Path, device) -> None:
         parser.error(f"{path} is not a checkpoint of {script.name} (no {', '.join(missing)}); move it away or use "
                      f"another --checkpoint-dir")
     amp = getattr(args, "amp", None)
-    if amp == "auto":
-        amp = "fp16" if device.type == "cuda" else "bf16"
+    if amp == "auto":  # as the scripts choose: bf16 where the device computes in it
+        amp = "bf16" if device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     if amp == "fp16" and "scaler" in state and not state["scaler"]:
         parser.error(f"{path} was saved by a run without fp16 (no GradScaler state) and this run uses fp16: "
                      f"continue it with that run's --amp, or use another --checkpoint-dir")
