@@ -119,6 +119,51 @@ def check_checkpoint(parser, args, script: Path, device) -> None:
                      f"continue it with that run's --amp, or use another --checkpoint-dir")
 
 
+def check_sharded_checkpoint(parser, args, script: Path) -> None:
+    """A sharded checkpoint (torch.distributed.checkpoint) the run would continue, DIR/<script>/ as mnist_fsdp2.py
+    writes it, must be whole and this course's model: .metadata is written last, after every rank's shards, so a
+    folder without it was cut off when a rank died; every shard file must hold the bytes .metadata points to; the
+    model's names and shapes must be the course's ConvNet's (ResNet-18's for a CIFAR script). Refused, it is left as
+    it is: the run never starts, so it never writes over it."""
+    folder = Path(args.checkpoint_dir or "") / script.stem
+    if not args.checkpoint_dir or not folder.is_dir():
+        return
+    import torch.distributed.checkpoint as dcp
+
+    import common
+
+    fix = "move it away or use another --checkpoint-dir to start over"
+    if not (folder / ".metadata").is_file():
+        parser.error(f"{folder} is half-written (no .metadata: a rank died while saving it); {fix}")
+    try:
+        meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception as err:  # noqa: BLE001 - truncated, garbage, another format: the same to a user
+        parser.error(f"{folder}/.metadata is damaged ({type(err).__name__}); {fix}")
+    for info in meta.storage_data.values():
+        shard = folder / info.relative_path
+        if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
+            parser.error(f"{shard} is missing or cut short: the sharded checkpoint is damaged; {fix}")
+    model = common.resnet18_cifar() if "cifar" in script.name else common.ConvNet()
+    expected = {f"model.{key}": tuple(value.shape) for key, value in model.state_dict().items()}
+    saved = {key: tuple(m.size) for key, m in meta.state_dict_metadata.items()
+             if key.startswith("model.") and hasattr(m, "size")}
+    if saved != expected or "epoch" not in meta.state_dict_metadata:
+        parser.error(f"{folder} is not a checkpoint of {script.name} (another model's weights, or no epoch); {fix}")
+
+
+def check_compiler(parser, args, device) -> None:
+    """--compile on the CPU: inductor writes C++ and builds it with the system's C++ compiler (g++, or $CXX)."""
+    if getattr(args, "compile", None) != "inductor" or device.type != "cpu":
+        return
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception:  # noqa: BLE001 - InvalidCxxCompiler, or what a broken compiler raises
+        parser.error("--compile on the CPU: inductor builds C++ and finds no C++ compiler (g++, or the one $CXX "
+                     "names); install one (apt install g++), or use --compile aot_eager")
+
+
 def check_gpus(parser, args, device) -> None:
     """nn.DataParallel's --gpus and --output-device must name GPUs that are there."""
     if getattr(args, "gpus", None) is None and getattr(args, "output_device", None) is None:
@@ -190,6 +235,8 @@ def main(argv=None) -> int:
                                         local_rank=local_rank, procs_per_node=per_node)
     check_gpus(script_parser, args, device)
     check_checkpoint(script_parser, args, opts.script, device)
+    check_sharded_checkpoint(script_parser, args, opts.script)
+    check_compiler(script_parser, args, device)
     print(course.runtime_report(device, backend if makes_process_group(opts.script) else None, per_node))
     try:
         data.prepare(args.dataset, args.data_dir, family=script_parser.family)
