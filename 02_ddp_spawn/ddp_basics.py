@@ -7,11 +7,10 @@
     python 02_ddp_spawn/ddp_basics.py fail             # rank 1 raises: mp.spawn stops everyone
     python 02_ddp_spawn/ddp_basics.py basic checkpoint # several, one after the other, each with its own processes
     make ddp-basics                                    # the first four, one after the other
-
-Options: --nproc N (default 2), --backend, --timeout. CPU + Gloo without GPUs, NCCL with one GPU each.
 """
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -24,8 +23,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-import workarounds
-from tools import course
 
 
 class ToyMpModel(nn.Module):
@@ -35,11 +32,10 @@ class ToyMpModel(nn.Module):
         super().__init__()
         self.dev0, self.dev1 = torch.device(dev0), torch.device(dev1)
         self.net1 = nn.Linear(10, 10).to(self.dev0)
-        self.relu = nn.ReLU()
         self.net2 = nn.Linear(10, 5).to(self.dev1)
 
     def forward(self, x):
-        x = self.relu(self.net1(x.to(self.dev0)))
+        x = torch.relu(self.net1(x.to(self.dev0)))
         return self.net2(x.to(self.dev1))
 
 
@@ -50,11 +46,9 @@ def run_demo(rank, world_size, args):
     if args.demo == "model-parallel":  # two GPUs per process: this one's first is 2 * rank
         device = torch.device("cuda", 2 * rank) if args.device == "cuda" else torch.device("cpu")
     else:
-        device, _ = course.choose_device(args.device, args.backend, local_rank=rank, procs_per_node=world_size)
+        device, _ = common.device_and_backend(args.device, args.backend, rank, world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this process's GPU, before anything touches CUDA
-    else:
-        course.share_cpu_threads(world_size)
     # env://, as the notes' setup() does: MASTER_ADDR and MASTER_PORT come from the parent's environment. A model
     # that spans two GPUs binds no device: NCCL would refuse the half that lives on the other one
     bind = args.backend == "nccl" and args.demo != "model-parallel"
@@ -64,7 +58,7 @@ def run_demo(rank, world_size, args):
         DEMOS[args.demo](rank, world_size, device, args)
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
+        gc.collect()  # a DDP model lives in reference cycles: free it before its group goes, or exit can abort
         dist.destroy_process_group()
 
 
@@ -88,63 +82,62 @@ def same_on_all_ranks(model, device) -> bool:
 
 
 def demo_basic(rank, world_size, device, args):
-    course.say(f"rank {rank}/{world_size}: running the basic DDP example on {device}")
+    print(f"rank {rank}/{world_size}: running the basic DDP example on {device}", flush=True)
     model = DDP(common.ToyModel().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     one_step(model, device)  # every rank feeds different random data...
     same = same_on_all_ranks(model, device)  # ...and still ends with the same weights
-    course.print0(rank, f"after one step on different data, all {world_size} ranks hold the same weights: {same}")
+    if rank == 0:
+        print(f"after one step on different data, all {world_size} ranks hold the same weights: {same}", flush=True)
 
 
 def demo_checkpoint(rank, world_size, device, args):
     model = DDP(common.ToyModel().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     path = os.path.join(args.workdir, "toy.pt")
     if rank == 0:  # the weights are the same everywhere, so one process saves them
-        course.atomic_save(model.module.state_dict(), path)
-        course.say(f"rank 0 saved {path}")
+        torch.save(model.module.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)  # a crash while saving leaves no half-written file under the real name
+        print(f"rank 0 saved {path}", flush=True)
     dist.barrier()  # nobody reads before rank 0 has finished writing
     # the file says "cuda:0" (where rank 0 saved it); map it to this rank's device
     map_location = {"cuda:0": str(device)} if device.type == "cuda" else "cpu"
     model.module.load_state_dict(torch.load(path, map_location=map_location, weights_only=True))
-    course.say(f"rank {rank} loaded the checkpoint (weights_only=True, map_location={map_location})")
+    print(f"rank {rank} loaded the checkpoint (weights_only=True, map_location={map_location})", flush=True)
     one_step(model, device)
     same = same_on_all_ranks(model, device)
     dist.barrier()  # every rank has read the file before it is removed
     if rank == 0:
         os.remove(path)
-    course.print0(rank, f"after loading and one more step, all ranks hold the same weights: {same}")
+        print(f"after loading and one more step, all ranks hold the same weights: {same}", flush=True)
 
 
 def demo_model_parallel(rank, world_size, device, args):
     dev0, dev1 = (device, torch.device("cuda", device.index + 1)) if device.type == "cuda" else (device, device)
-    if device.type == "cpu":
-        course.print0(rank, f"model parallel wants 2 GPUs per process ({2 * world_size} in all): here both halves "
-                            f"run on the CPU; the code path is the same")
+    if device.type == "cpu" and rank == 0:
+        print(f"model parallel wants 2 GPUs per process ({2 * world_size} in all): here both halves run on the CPU; "
+              f"the code path is the same", flush=True)
     model = DDP(ToyMpModel(dev0, dev1))  # no device_ids for a model that spans several devices
     one_step(model, dev0, out_device=dev1)  # outputs come out on dev1
     same = same_on_all_ranks(model, dev0)
-    course.say(f"rank {rank}: net1 on {dev0}, net2 on {dev1}")
-    course.print0(rank, f"model parallel inside, data parallel across: ranks agree: {same}")
+    print(f"rank {rank}: net1 on {dev0}, net2 on {dev1}", flush=True)
+    if rank == 0:
+        print(f"model parallel inside, data parallel across: ranks agree: {same}", flush=True)
 
 
-def demo_fail(rank, world_size, device, args):
-    dist.barrier()  # rank 0 never gets here with a partner: rank 1 died before joining
-
-
+# fail: rank 1 raises before it joins (run_demo), so rank 0 waits in init_process_group until mp.spawn stops it
 DEMOS = {"basic": demo_basic, "checkpoint": demo_checkpoint, "model-parallel": demo_model_parallel,
-         "fail": demo_fail}
+         "fail": demo_basic}
 
 
 def model_parallel_placement(device: str, backend: str, nproc: int) -> tuple[str, str]:
-    """Model parallelism inside each process wants 2 GPUs per process: CUDA + NCCL with 2 x nproc GPUs,
-    otherwise both halves on the CPU with Gloo (the same code path)."""
-    gpus = course.gpu_count()
+    """2 GPUs per process: CUDA + NCCL with 2 x nproc GPUs, else both halves on the CPU with Gloo (same code)."""
+    gpus = common.usable_gpus()
     if gpus >= 2 * nproc and device != "cpu":
         return "cuda", "gloo" if backend == "gloo" else "nccl"
     if device == "cuda" or backend == "nccl":
         fewer = f"use --nproc {gpus // 2}, or " if gpus >= 4 else ""
-        raise course.UsageError(f"model parallel needs 2 GPUs per process: {2 * nproc} for --nproc {nproc}, "
-                                f"{gpus} here; {fewer}drop --device/--backend to run both halves on the CPU")
-    return "cpu", "gloo"  # runtime_report says why, in a NOTE
+        raise RuntimeError(f"model parallel needs 2 GPUs per process: {2 * nproc} for --nproc {nproc}, "
+                           f"{gpus} here; {fewer}drop --device/--backend to run both halves on the CPU")
+    return "cpu", "gloo"  # the demo says so on rank 0
 
 
 def start_with_process(fn, world_size, args):
@@ -158,11 +151,11 @@ def start_with_process(fn, world_size, args):
     failed = [rank for rank, p in enumerate(processes) if p.exitcode != 0]
     if failed:
         sys.exit(f"ranks {failed} failed")
-    course.say(f"mp.Process: {world_size} processes started and joined, all exit codes 0")
+    print(f"mp.Process: {world_size} processes started and joined, all exit codes 0", flush=True)
 
 
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("demos", nargs="+", choices=[*DEMOS, "process"], metavar="DEMO",
                         help=f"one or more of: {', '.join([*DEMOS, 'process'])}")
@@ -179,24 +172,23 @@ def main():
             if demo == "model-parallel":
                 device, backend = model_parallel_placement(args.device, args.backend, args.nproc)
             else:
-                device, backend = course.choose_device(args.device, args.backend, procs_per_node=args.nproc)
+                device, backend = common.device_and_backend(args.device, args.backend, 0, args.nproc)
                 device = device.type
-        except course.UsageError as err:
+        except RuntimeError as err:  # a placement this machine cannot give: say so before any process starts
             parser.error(str(err))
         runs.append(argparse.Namespace(**{**vars(args), "demo": demo, "device": device, "backend": backend}))
     for run in runs:
         if len(runs) > 1:
-            course.say(f"--- ddp_basics.py {run.demo}")
+            print(f"--- ddp_basics.py {run.demo}", flush=True)
         start(run)
 
 
 def start(args):
     """One demo: its own processes, its own process group, on a port that is free now."""
-    gpus_each = 2 if args.demo == "model-parallel" else 1
-    course.say(course.runtime_report(torch.device(args.device), args.backend, args.nproc, gpus_each))
+    print(f"{args.demo}: {args.nproc} processes on {args.device} with {args.backend}", flush=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"  # the workers all run on this machine
     os.environ["MASTER_PORT"] = str(common.free_port())  # a free port now; a fixed one may be taken
-
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N processes x all cores would fight
     with tempfile.TemporaryDirectory() as workdir:
         args.workdir = workdir  # shared by all ranks on this machine (the checkpoint demo)
         if args.demo == "process":

@@ -14,6 +14,9 @@ batch, but it does equal one process that runs BatchNorm on each slice separatel
 the losses. (SyncBatchNorm, section 06, uses the statistics of the global batch instead.)
 """
 
+import argparse
+import gc
+import os
 import sys
 from datetime import timedelta
 
@@ -24,8 +27,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-import workarounds
-from tools import course
 
 
 def make_model(batchnorm: bool) -> nn.Module:
@@ -56,7 +57,6 @@ def max_diff(a, b) -> float:
 
 
 def worker(rank, world_size, args, port):
-    course.share_cpu_threads(world_size)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout))
     try:
@@ -86,12 +86,12 @@ def worker(rank, world_size, args, port):
                 raise SystemExit("DDP did not behave like gradient averaging")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
+        gc.collect()  # a DDP model lives in reference cycles: free it before its group goes, or exit can abort
         dist.destroy_process_group()
 
 
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--per-rank", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=5)
@@ -100,6 +100,7 @@ def main():
     args = parser.parse_args()
     if args.nproc < 2 or args.per_rank < 2 or args.steps < 1:
         parser.error("--nproc and --per-rank must be at least 2 (BatchNorm needs 2 samples), --steps at least 1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N processes x all cores would fight
     try:
         mp.spawn(worker, args=(args.nproc, args, common.free_port()), nprocs=args.nproc, join=True)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import common
 from harness import PYTHON, REPO, run
 from tools import course
 
@@ -74,7 +75,7 @@ def test_gpu_check_plans_every_target_for_the_gpus_present(gpus, monkeypatch):
     step = next(s for names, s in demos.items() if "model-parallel" in names)
     found = dict(a.split("=", 1) for a in step.cmd[3:])
     flags = dict(zip(*[iter((found.get("ARGS") or "").split())] * 2, strict=True))
-    monkeypatch.setattr(course, "gpu_count", lambda: gpus)
+    monkeypatch.setattr(common, "usable_gpus", lambda: gpus)
     ddp_basics.model_parallel_placement(flags.get("--device", "auto"), flags.get("--backend"), int(found["NPROC"]))
     assert by_target["multinode-netns"][0].skip == "needs root allowed to create network namespaces"
     assert not plan(gpus, is_root=True)[[s.name for s in steps].index("multinode-netns")].skip
