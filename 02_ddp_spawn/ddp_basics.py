@@ -58,7 +58,7 @@ def run_demo(rank, world_size, args):
         DEMOS[args.demo](rank, world_size, device, args)
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        gc.collect()  # a DDP model lives in reference cycles: free it before its group goes, or exit can abort
+        gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         dist.destroy_process_group()
 
 

@@ -86,7 +86,7 @@ def worker(rank, world_size, args, port):
                 raise SystemExit("DDP did not behave like gradient averaging")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        gc.collect()  # a DDP model lives in reference cycles: free it before its group goes, or exit can abort
+        gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         dist.destroy_process_group()
 
 

@@ -59,7 +59,7 @@ def main():
     try:
         train(args, device, dist.get_rank())
     finally:
-        gc.collect()  # a DDP model lives in reference cycles: free it before its group goes, or exit can abort
+        gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         dist.destroy_process_group()  # also after an error
 
 

@@ -81,7 +81,7 @@ def main():
                   f"equal={d1 < 1e-6 and d2 < 1e-6}", flush=True)
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        gc.collect()  # a DDP model lives in reference cycles: free it before its group goes, or exit can abort
+        gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         dist.destroy_process_group()
 
 
