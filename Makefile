@@ -68,10 +68,18 @@ help: ## list the targets
 
 # ------------------------------------------------------------------ setup
 
+# CPU=1: the pinned pair's CPU-only build from PyTorch's own wheel index (the package index has no CPU-only
+# torchvision that works), for machines without an NVIDIA GPU; the rest comes from the package index as usual
+CPU ?=
+TORCH_INDEX ?= $(if $(CPU),https://download.pytorch.org/whl/cpu)
+
 $(VENV_STAMP): requirements.txt requirements-dev.txt requirements-dev.lock pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: Python 3.10 or newer is needed, this is " + sys.version.split()[0])'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "installing torch 2.14.1, torchvision 0.29.1 and the dev tools into $(VENV) (about a minute) ..."
+	@echo "installing torch 2.14.1, torchvision 0.29.1 and the dev tools into $(VENV) (a few minutes, about 6 GB;" \
+	  "CPU=1: the CPU-only build, without NVIDIA's libraries) ..."
+	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --disable-pip-version-check --index-url $(TORCH_INDEX) \
+	  $(shell grep -E '^torch(vision)?==' requirements.txt))
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt -c requirements-dev.lock
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . 2>/dev/null \
 	  || $(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .

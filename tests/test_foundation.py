@@ -243,6 +243,18 @@ def test_make_reinstalls_when_the_requirements_change():
     dry = run(["make", "-n", "-W", "requirements.txt", "smoke"]).stdout  # -W: as if the file had just changed
     assert "pip install" in dry and "-r requirements-dev.txt" in dry
     assert "pip install" not in run(["make", "-n", "smoke"]).stdout
+    assert "--index-url" not in dry  # the default: the package index's CUDA build, as the course's machines reach it
+
+
+def test_make_setup_cpu_takes_the_cpu_only_build_of_the_pinned_pair_first():
+    """CPU=1 (a machine without an NVIDIA GPU): the pinned torch and torchvision come from PyTorch's CPU wheel index
+    before the rest, which then finds them installed (the lock's `torch==2.14.1` matches `2.14.1+cpu`)."""
+    lines = run(["make", "-n", "-W", "requirements.txt", "setup", "CPU=1"]).stdout.splitlines()
+    cpu = [i for i, ln in enumerate(lines) if "--index-url https://download.pytorch.org/whl/cpu" in ln]
+    rest = [i for i, ln in enumerate(lines) if "-r requirements-dev.txt" in ln]
+    pins = re.findall(r"^(torch(?:vision)?==\S+)", (REPO / "requirements.txt").read_text(), re.M)
+    assert len(cpu) == 1 and rest and cpu[0] < rest[0], lines
+    assert lines[cpu[0]].split()[-2:] == pins == ["torch==2.14.1", "torchvision==0.29.1"]
 
 
 FIND_SPEC = r"""

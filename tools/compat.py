@@ -68,6 +68,11 @@ def side_environment(torch_version: str) -> Path:
     return python
 
 
+def disk_gb(folder: Path, pattern: str = "**/*") -> float:
+    """The bytes of the files under `folder` matching `pattern`, in GB (10^9), as `du -sb` counts them."""
+    return round(sum(p.stat().st_size for p in folder.glob(pattern) if p.is_file() and not p.is_symlink()) / 1e9, 1)
+
+
 def run_step(name: str, cmd: list[str], timeout: float, env: dict) -> dict:
     """One step in its own session, bounded: on a timeout its whole session is stopped."""
     start = time.time()
@@ -125,6 +130,10 @@ def main(argv=None) -> int:
               "python": py_v, "interpreter": os.path.relpath(python, REPO) if args.torch else "given with --python",
               "date": date, "machine": {"arch": platform.machine(), "cores": os.cpu_count(), "gpus": int(gpus)},
               "all_passed": all(r["passed"] for r in rows), "steps": rows}
+    if args.torch:  # what such an environment takes on disk, and how much of it is NVIDIA's CUDA libraries
+        venv = Path(python).parent.parent
+        record["venv_gb"] = disk_gb(venv)
+        record["cuda_libraries_gb"] = disk_gb(venv, "lib/python*/site-packages/nvidia*/**/*")
     out_dir = REPO / ("bench/results" if args.record else "runs/compat")
     out_dir.mkdir(parents=True, exist_ok=True)
     name = out_dir / f"compat_torch-{version}_{date}"
