@@ -228,11 +228,11 @@ SD = f"{SE}#runs - passed_without_workaround"  # a derived number: the runs that
 SAMPLE = f"""
 | id | claim | stated in | kind | runs on | proof |
 |---|---|---|---|---|---|
-| good | 2 DDP processes train at 0.92 of one process's speed | README.md | measurement | - | {SP} |
-| elsewhere | the bucket count is 0.92 | README.md | measurement | - | {SP} |
-| second | 2 DDP processes train at 0.92 | README.md, 05_collectives/README.md | measurement | - | {SP} |
-| off | the ratio is 0.95 | README.md | measurement | - | `{TP}#ratios/speedup_ws2/median = 0.95` |
-| nokey | x | README.md | measurement | - | `{TP}#ratios/nothing = 1` |
+| good | 2 DDP processes train at 0.92 of one process's speed | docs/troubleshooting.md | measurement | - | {SP} |
+| elsewhere | the bucket count is 0.92 | docs/troubleshooting.md | measurement | - | {SP} |
+| second | 2 DDP processes train at 0.92 | docs/troubleshooting.md, 05_collectives/README.md | measurement | - | {SP} |
+| off | the ratio is 0.95 | docs/troubleshooting.md | measurement | - | `{TP}#ratios/speedup_ws2/median = 0.95` |
+| nokey | x | docs/troubleshooting.md | measurement | - | `{TP}#ratios/nothing = 1` |
 | notest | x | README.md | behaviour | CPU | `tests/test_common.py::test_that_does_not_exist` |
 | gpu | x | README.md | behaviour | CPU | `tests/test_02_ddp_spawn.py::test_resume_on_a_gpu` |
 | nolink | x | README.md | external | - | `see the docs` |
@@ -243,7 +243,7 @@ SAMPLE = f"""
 
 
 @pytest.mark.parametrize("row_id, expected", [
-    ("good", None), ("elsewhere", "is not stated in a sentence of README.md"),
+    ("good", None), ("elsewhere", "is not stated in a sentence of docs/troubleshooting.md"),
     ("second", "is not stated in a sentence of 05_collectives/README.md"), ("off", "the record says"),
     ("nokey", "no such key"), ("notest", "not collected"),
     ("gpu", "marked for GPUs"), ("nolink", "not a test, notebook cell"),

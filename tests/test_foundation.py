@@ -180,6 +180,23 @@ def test_chain_diffs_in_readmes_are_current():
     assert res.returncode == 0, res.stderr
 
 
+def test_the_front_door_is_short_and_its_ddp_lines_stand_in_the_headline_as_quoted():
+    """README.md is a door: at most about 150 lines, and its "DDP in one screen" is the headline's own lines (in
+    the order a run meets them: main's set-up first); every relative link of the READMEs and docs pages points at
+    something that exists."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    (snippet,) = re.findall(r"## DDP in one screen.*?```python\n(.*?)```", readme, re.S)
+    script = [line.strip() for line in (REPO / "03_ddp_torchrun/mnist_torchrun.py").read_text().splitlines()]
+    for line in snippet.splitlines():
+        assert script.count(line.strip()) == 1, f"not once in mnist_torchrun.py: {line.strip()}"
+    assert len(snippet.splitlines()) >= 12
+    pages = [REPO / "README.md", REPO / "README.zh-CN.md", *(REPO / "docs").glob("*.md")]
+    for page in pages:
+        for link in re.findall(r"\]\((?!https?://|#)([^)\s#]+)", page.read_text()):
+            assert (page.parent / link).exists(), f"{page.relative_to(REPO)}: {link}"
+
+
 def test_ci_runs_the_readme_test_command():
     ci = (REPO / ".ci" / "run").read_text()
     readme = (REPO / "README.md").read_text()
