@@ -119,8 +119,9 @@ def _child(script: Path, argv: list[str], env: dict, trace_dir: Path, log: Path)
         os._exit(code)
 
 
-def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float = 120) -> tuple[list[int], str]:
-    """Start the ranks of `script` (2 of them) and wait; (exit codes, their output)."""
+def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float = 120,
+        nproc: int = 2) -> tuple[list[int], str]:
+    """Start the ranks of `script` (2 of them; `nproc` for torchrun's kind) and wait; (exit codes, their output)."""
     trace_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
@@ -130,8 +131,8 @@ def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float
         ranks = [([*args, "--init-method", f"tcp://127.0.0.1:{port}", "--world-size", "2", "--rank", str(r)], base)
                  for r in range(2)]
     else:
-        ranks = [(args, {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
-                 for r in range(2)]
+        ranks = [(args, {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                         "LOCAL_WORLD_SIZE": str(nproc)}) for r in range(nproc)]
     pids = []
     for r, (argv, env) in enumerate(ranks):
         log = trace_dir / f"log-{r}.txt"
