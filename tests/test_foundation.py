@@ -197,6 +197,15 @@ def test_the_front_door_is_short_and_its_ddp_lines_stand_in_the_headline_as_quot
             assert (page.parent / link).exists(), f"{page.relative_to(REPO)}: {link}"
 
 
+def test_preparing_the_data_imports_nothing_that_imports_common_back():
+    """common.prepare_data asks tools/data.py; that module (and the stand-in writer) must not import common.py or
+    torch, or the import goes round in a circle that only a lazy import keeps alive."""
+    code = ("import sys; import tools.data, tools.standins, tools.util; "
+            "print(sorted(m for m in ('common', 'tools.course', 'torch') if m in sys.modules))")
+    res = run([PYTHON, "-c", code], env={"PYTHONPATH": str(REPO)}, cwd=REPO)
+    assert res.stdout.strip() == "['torch']", res.stdout  # the stand-ins are made with torch; nothing else
+
+
 def test_ci_runs_the_readme_test_command():
     ci = (REPO / ".ci" / "run").read_text()
     readme = (REPO / "README.md").read_text()

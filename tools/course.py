@@ -12,7 +12,6 @@ import random
 import re
 import shutil
 import sys
-import tempfile
 import threading
 import time
 import zlib
@@ -26,12 +25,9 @@ from tqdm import tqdm
 import common
 from common import CIFAR_DATASETS, MNIST_DATASETS, free_port  # noqa: F401 - re-exported for the demos
 from tools.lines import parse_lines  # noqa: F401 - course.parse_lines, as the tests and tools call it
+from tools.util import UsageError, _atomic_write, atomic_write_bytes, say  # noqa: F401 - re-exported
 
 # --------------------------------------------------------------------------- command line
-
-
-class UsageError(ValueError):
-    """A request that cannot work; the message says what to do instead."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -328,15 +324,6 @@ def set_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------- printing, progress, evaluation
 
 
-def say(*parts) -> None:
-    """Print one line in a single write, so that lines from several processes never mix mid-line.
-
-    (print() writes the text and the newline separately; another process can write in between.)
-    """
-    sys.stdout.write(" ".join(str(p) for p in parts) + "\n")
-    sys.stdout.flush()
-
-
 def print0(rank: int, *parts) -> None:
     """Print one whole line, from rank 0 only (other ranks stay quiet)."""
     if rank == 0:
@@ -395,40 +382,6 @@ def worker_error(err: Exception) -> str:
 
 
 # --------------------------------------------------------------------------- files and ports
-
-
-def _atomic_write(path, write) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the mode open() would
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself survive a power cut
-    finally:
-        os.close(dir_fd)
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_bytes(data: bytes, path) -> Path:
-    """Write `data` to `path` so that a crash mid-write leaves the previous file intact."""
-    return _atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_save(obj, path) -> Path:

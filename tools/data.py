@@ -14,7 +14,7 @@ import socket
 import time
 from pathlib import Path
 
-from tools.course import UsageError, atomic_write_bytes, say
+from tools.util import UsageError, atomic_write_bytes, say
 
 try:
     import fcntl

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tools.course import atomic_write_bytes
 from tools.data import CIFAR_STANDIN_FOLDER, STANDIN_MANIFEST
+from tools.util import atomic_write_bytes
 
 STANDIN_SIZES = {"mnist": (24000, 4000), "cifar10": (10000, 2000)}  # (train, test) images
 
