@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import benchlib
+import common
 from tools import course
 
 # torch 2.13's names; torch 2.11 has only the older all_gather_into_tensor and reduce_scatter_tensor
@@ -117,8 +118,8 @@ def main():
         parser.error("start me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__)
     local_rank, procs_per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     try:
-        device, backend = course.choose_device(local_rank=local_rank, procs_per_node=procs_per_node)
-    except course.UsageError as err:
+        device, backend = common.device_and_backend(local_rank=local_rank, procs_per_node=procs_per_node)
+    except RuntimeError as err:
         parser.error(str(err))
     if device.type == "cuda":
         torch.cuda.set_device(device)

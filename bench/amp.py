@@ -104,8 +104,8 @@ def main(argv=None):
     if args.warmup < 0:
         parser.error("--warmup must be at least 0")
     try:
-        device, _ = course.choose_device(args.device, None)
-    except course.UsageError as err:
+        device, _ = common.device_and_backend(args.device, "gloo")  # one process: the backend is not used
+    except RuntimeError as err:
         parser.error(str(err))
     cuda = device.type == "cuda"
     precisions = ["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32", "bf16"]

@@ -82,8 +82,8 @@ def main(argv=None):
         parser.error("--caps: every bucket size must be above 0 MB")
     local_rank, procs_per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     try:
-        device, backend = course.choose_device(local_rank=local_rank, procs_per_node=procs_per_node)
-    except course.UsageError as err:
+        device, backend = common.device_and_backend(local_rank=local_rank, procs_per_node=procs_per_node)
+    except RuntimeError as err:
         parser.error(str(err))
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -112,7 +112,7 @@ def main(argv=None):
     workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
     local_ws = int(os.environ["LOCAL_WORLD_SIZE"])
     rank = int(os.environ["RANK"])
-    device, backend = course.choose_device(local_rank=int(os.environ["LOCAL_RANK"]), procs_per_node=local_ws)
+    device, backend = common.device_and_backend(local_rank=int(os.environ["LOCAL_RANK"]), procs_per_node=local_ws)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:

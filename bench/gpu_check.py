@@ -58,6 +58,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import benchlib
+import common
 from tools import course
 
 REPO = Path(__file__).resolve().parents[1]
@@ -529,7 +530,7 @@ def main(argv=None) -> int:
         parser.error("--rehearse needs --gpus N: the GPU count to pretend")
     if (args.real or args.real_args) and not args.rehearse:
         parser.error("--real and --real-args go with --rehearse")
-    gpus = args.gpus or course.gpu_count()
+    gpus = args.gpus or common.usable_gpus()
     if gpus == 0:
         parser.exit(2, "error: gpu-check needs a CUDA GPU, and torch sees none here (torch.cuda.is_available() is "
                        "False). `--list --gpus 1` shows what it would run, `--rehearse --gpus 1` rehearses it on "

@@ -280,13 +280,13 @@ def main(argv=None):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     try:
-        device, backend = course.choose_device(args.device, "auto")
+        device, backend = common.device_and_backend(args.device, "auto")
         cores = benchlib.usable_cores()
         world_sizes, note = plan_world_sizes(device, cores, args.world_sizes)
         if args.quick:
             world_sizes = world_sizes[:1]  # a smoke run: the smallest multi-process size is enough
         args.dataset = data.prepare(args.dataset, args.data_dir, quiet=True)
-    except course.UsageError as err:
+    except (course.UsageError, RuntimeError) as err:
         parser.error(str(err))
     cfg = {"device": device.type, "backend": backend, "cores": cores, "world_sizes": world_sizes,
            "batch_size": args.batch_size,

@@ -7,9 +7,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, also without `make setup`
 
-import harness  # noqa: E402
+import harness  # noqa: E402 - first: it sets OMP_WAIT_POLICY before anything imports torch
 from harness import TEST_IMAGES  # noqa: E402
-from tools import course, data, standins  # noqa: E402
+from tools import data, standins  # noqa: E402
 from tools.standins import STANDIN_SIZES  # noqa: E402
 
 
@@ -19,7 +19,9 @@ def pytest_collection_modifyitems(config, items):
     tests that start processes run first."""
     harness.COLLECTED.update({item.nodeid: any(item.get_closest_marker(m) for m in ("cuda", "multigpu"))
                               for item in items})
-    gpus = course.gpu_count()
+    import common
+
+    gpus = common.usable_gpus()
     needs = {"cuda": 1, "multigpu": 2}
     for item in items:
         for marker, count in needs.items():

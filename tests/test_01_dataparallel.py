@@ -41,7 +41,7 @@ def test_dataparallel_without_gpu_returns_exactly_what_the_module_returns():
 
 def test_dp_shapes_prints_the_split():
     out = make("dp-shapes", "ARGS=--gpus 2").stdout
-    if course.gpu_count() >= 2:  # a real split over two GPUs, each replica reporting from its thread
+    if common.usable_gpus() >= 2:  # a real split over two GPUs, each replica reporting from its thread
         assert out.count("In Model on cuda:0: input size [15, 5] output size [15, 2]") == 3
         assert out.count("In Model on cuda:1: input size [15, 5] output size [15, 2]") == 3
         assert out.count("In Model on cuda:1: input size [5, 5] output size [5, 2]") == 1
@@ -71,7 +71,7 @@ def test_make_dataparallel_trains_and_saves_a_plain_state_dict(data_dir, tmp_pat
 @pytest.mark.slow
 @pytest.mark.cuda
 def test_make_dataparallel_on_the_gpus_present(data_dir, tmp_path):
-    gpus = course.gpu_count()
+    gpus = common.usable_gpus()
     res = dataparallel_run(data_dir, tmp_path)
     assert f"nn.DataParallel over GPUs {list(range(gpus))}: " + (
         f"each batch of 64 is split {gpus} ways" if gpus > 1 else "one GPU, nothing is split") in res.stdout
@@ -123,7 +123,7 @@ def test_gpus_too_old_for_the_build_leave_dataparallel_out_of_the_cpu_run(monkey
 
 
 def test_dataparallel_refuses_gpus_that_are_not_there():
-    gpus = course.gpu_count()
+    gpus = common.usable_gpus()
     if gpus == 0:
         res = python("tools/preflight.py", "01_dataparallel/mnist_dataparallel.py", "--gpus", "0,1", expect_rc=2)
         assert "need CUDA GPUs" in res.stderr

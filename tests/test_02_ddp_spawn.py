@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
+import common
 from harness import BARE_ENV, PYTHON, REPO, TEST_IMAGES, check_trace, make, python, run, traced
 from tools import course
 
@@ -112,7 +113,7 @@ def spawn_runs(folder, data_dir, nproc, device="cpu"):
     """
     base = [PYTHON, "mnist_spawn.py", "--nproc", str(nproc), "--dataset", "mnist-standin", "--data-dir", data_dir,
             "--max-steps", "15", "--timeout", "60", "--device", device]
-    if device == "cuda" and course.gpu_count() < nproc:
+    if device == "cuda" and common.usable_gpus() < nproc:
         base += ["--backend", "gloo"]  # processes share the GPU(s)
     a_dir, b_dir = folder / f"A{nproc}{device}", folder / f"B{nproc}{device}"
     a = run(base + ["--epochs", "2", "--checkpoint-dir", a_dir], cwd=folder, timeout=180)
@@ -146,7 +147,7 @@ def test_two_ranks_resume_gives_bitwise_the_same_weights(copied, data_dir):
 
 
 def test_spawn_refuses_impossible_requests():
-    gpus = course.gpu_count()  # one process more than there are GPUs: NCCL cannot work, on any machine
+    gpus = common.usable_gpus()  # one process more than there are GPUs: NCCL cannot work, on any machine
     res = python("tools/preflight.py", "02_ddp_spawn/mnist_spawn.py", "--backend", "nccl", "--nproc", str(gpus + 1),
                  expect_rc=2)
     assert ("nccl needs CUDA" if gpus == 0 else "NCCL needs one GPU per process") in res.stderr

@@ -53,7 +53,7 @@ def test_three_processes_count_every_test_image_once(standin_dir, tmp_path):
 def elastic_run(data_dir, tmp_path, device):
     res = make("elastic-restart", "NPROC=2", f"ELASTIC={tmp_path}/elastic", "FAIL_AT=20",  # 2: bitwise on any machine
                f"ARGS=--epochs 2 --max-steps 15 --timeout 30 --device {device} " + STANDIN.format(data_dir)
-               + (" --backend gloo" if device == "cuda" and course.gpu_count() < 2 else ""), timeout=300)
+               + (" --backend gloo" if device == "cuda" and common.usable_gpus() < 2 else ""), timeout=300)
     assert "RuntimeError: simulated failure of rank 1 at training batch 20" in res.output
     assert "resumed from" in res.stdout and "after epoch 1" in res.stdout  # the restarted group continued
     return res
@@ -169,7 +169,7 @@ def test_two_standalone_jobs_at_once_do_not_collide():
     for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 0, out
     init, minimal = outputs
-    backend = course.choose_device(procs_per_node=2)[1]  # nccl on a machine with 2 GPUs
+    backend = common.device_and_backend(procs_per_node=2)[1]  # nccl on a machine with 2 GPUs
     assert "process group of 2 is OK: all_reduce of ones = 2" in init
     assert len(re.findall(rf"\[pid \d+\] rank=\d local_rank=\d world_size=2 backend={backend}", init)) == 2
     m = re.search(r"learned y = (\S+)x (\S+) ", minimal)  # elastic_ddp.py learns y = 3x - 1

@@ -159,7 +159,7 @@ def test_augment_cifar_crops_and_flips_whole_batches(monkeypatch):
 
 def gpu_ranks() -> list[str]:
     """Two processes on the GPUs: NCCL on two, or sharing one through Gloo."""
-    return [] if course.gpu_count() >= 2 else ["--backend", "gloo"]
+    return [] if common.usable_gpus() >= 2 else ["--backend", "gloo"]
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+import common
 from harness import REPO, make
-from tools import course
 
 sys.path.insert(0, str(REPO / "bench"))
 import benchlib  # noqa: E402
@@ -107,7 +107,7 @@ def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, da
 
     throughput = json.loads(next(out.glob("throughput_*.json")).read_text())
     sizes = throughput["config"]["world_sizes"]  # quick: 2 where the cores or GPUs allow; none on 1 GPU
-    room = course.gpu_count() if throughput["config"]["device"] == "cuda" else throughput["config"]["cores"]
+    room = common.usable_gpus() if throughput["config"]["device"] == "cuda" else throughput["config"]["cores"]
     assert sizes == ([2] if room >= 2 else []), sizes
     launched = {f"{launcher}_ws{n}" for n in sizes for launcher in ("spawn", "torchrun")}
     expected = {"plain", "course", "torchvision", "dataparallel", "ddp_ws1"} | launched

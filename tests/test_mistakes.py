@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
+import common
 from harness import DEAD_PROXY, REPO, TAG, TORCHRUN, exits, kill_tagged, make, python, run, wait_gone
-from tools import course
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
 
@@ -43,7 +43,7 @@ def test_a_mistake_under_torchrun_is_one_line_said_once():
 
 
 def test_nccl_without_enough_gpus_is_one_line():
-    gpus = course.gpu_count()
+    gpus = common.usable_gpus()
     res = make("ddp-torchrun", f"NPROC={gpus + 1}", "BACKEND=nccl", expect_rc=2, timeout=60)
     assert ("nccl needs CUDA GPUs" if gpus == 0 else "NCCL needs one GPU per process") in one_line(res.stderr)
 
@@ -94,7 +94,7 @@ def test_nproc_is_checked_against_memory_and_cores(procs, refused):
         assert "processes need about 100000 GB of memory" in one_line(res.stderr)
     else:
         cores = len(os.sched_getaffinity(0))
-        assert ("WARNING: 3 processes on" in res.stdout) == (3 > cores and course.gpu_count() == 0)
+        assert ("WARNING: 3 processes on" in res.stdout) == (3 > cores and common.usable_gpus() == 0)
 
 
 def start_tagged(cmd, tag, wait_for: str, timeout: float = 60) -> subprocess.Popen:

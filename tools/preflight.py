@@ -35,6 +35,7 @@ _PATH = sys.path[1:]  # the search path after its first entry (this folder), for
 _ERROR = argparse.ArgumentParser.error  # replaced by the course's one-line error while the checks run
 sys.path[:0] = [str(REPO)]
 
+import common  # noqa: E402
 from tools import course, data  # noqa: E402
 
 
@@ -167,10 +168,10 @@ def check_compiler(parser, args, device) -> None:
 def check_gpus(parser, args, device) -> None:
     """nn.DataParallel's --gpus and --output-device must name GPUs that are there."""
     if getattr(args, "gpus", None) is None and getattr(args, "output_device", None) is None:
-        if getattr(args, "gpus", 0) is None and args.device == "cpu" and course.gpu_count():
+        if getattr(args, "gpus", 0) is None and args.device == "cpu" and common.usable_gpus():
             parser.error("--device cpu: DataParallel only splits work over GPUs; for the CPU use mnist_single.py")
         return
-    gpus = course.gpu_count()
+    gpus = common.usable_gpus()
     if device.type != "cuda":
         parser.error("--gpus and --output-device need CUDA GPUs; on the CPU, DataParallel has nothing to split")
     for gpu in (args.gpus or []) + ([args.output_device] if args.output_device is not None else []):
