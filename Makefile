@@ -58,6 +58,7 @@ PREFLIGHT = $(PY) tools/preflight.py --nproc $(NPROC)
         multinode-tcp multinode-file multinode-torchrun multinode-spawn multinode-netns check-nnodes \
         collectives p2p backend-matrix ddp-eval ddp-from-scratch hang-demo errors doctor \
         amp-syncbn syncbn-proof grad-accum cifar-resnet \
+        fsdp zero compile uneven bench-memory \
         bench bench-quick bench-throughput bench-amp bench-buckets bench-allreduce bench-hooks bench-versions gpu-check \
         compat
 
@@ -261,6 +262,26 @@ grad-accum: $(STAMP) check-nproc ## gradient accumulation with no_sync: same gra
 
 cifar-resnet: $(STAMP) check-nproc ## ResNet-18 on CIFAR-10 (the stand-in offline): augmentation, AMP, eval, resume
 	@$(PREFLIGHT) --run $(TORCHRUN) 06_amp_syncbn/cifar_resnet.py $(if $(EPOCHS),,--epochs 1 --max-steps 25) $(DIST_ARGS)
+
+# ------------------------------------------------------------------ 07: beyond DDP
+
+fsdp: $(STAMP) check-nproc ## MNIST with FSDP2 (fully_shard): 1/N of every weight per rank; sharded checkpoints
+	@$(PREFLIGHT) --run $(TORCHRUN) 07_beyond_ddp/mnist_fsdp2.py $(DIST_ARGS)
+
+zero: $(STAMP) check-nproc ## MNIST with DDP and ZeroRedundancyOptimizer: 1/N of the optimizer state per rank
+	@$(PREFLIGHT) --run $(TORCHRUN) 07_beyond_ddp/mnist_zero_compile.py --zero $(DIST_ARGS)
+
+compile: $(STAMP) check-nproc ## MNIST with torch.compile(DDP model): the first step compiles (CPU: needs g++)
+	@$(PREFLIGHT) --run $(TORCHRUN) 07_beyond_ddp/mnist_zero_compile.py --compile $(DIST_ARGS)
+
+uneven: $(STAMP) check-nproc ## ranks with different numbers of batches: fails at a 5 s timeout; with Join it ends
+	@echo "--- without Join: the job fails after its timeout ---"
+	-$(TORCHRUN) 07_beyond_ddp/uneven_join.py $(ARGS)
+	@echo "--- with Join ---"
+	$(TORCHRUN) 07_beyond_ddp/uneven_join.py --join $(ARGS)
+
+bench-memory: $(STAMP) ## bytes of weights, gradients, optimizer state per rank: DDP, ZeRO, FSDP2 at 1, 2, 4 ranks
+	$(PY) bench/memory.py --output-dir $(BENCH_OUT) $(QUICK) $(ARGS)
 
 # ------------------------------------------------------------------ benchmarks
 
