@@ -124,7 +124,7 @@ def main() -> None:
                          f"{row['total'] / base:.2f}"])
     md += benchlib.md_table(["model", "method", "world size", "parameters", "gradients", "optimizer state",
                              "total", "vs DDP"], rows)
-    payload = {"benchmark": "memory", "quick": args.quick, "machine": benchlib.machine_info(device, "gloo"),
+    payload = {"bench": "memory", "quick": args.quick, "machine": benchlib.machine_info(device, "gloo"),
                "optimizer": "Adam", "unit": "bytes", "per_rank": per_rank, "max_over_ranks": biggest}
     out = Path(args.output_dir)
     paths = benchlib.write_results(out, name, payload, md)
