@@ -8,6 +8,7 @@ so `del` alone does not free it: only the garbage collector does, at interpreter
 `make free-stress` (bench/stress.py free) runs it many times each way and records how often it aborts.
 """
 
+import argparse
 import gc
 import os
 from datetime import timedelta
@@ -31,6 +32,7 @@ class Trainer:
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     trainer = Trainer()
     trainer.train()

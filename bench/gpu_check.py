@@ -166,6 +166,8 @@ def plan(gpus: int, is_root: bool = True, bench_out: str = "runs/gpu_check") -> 
              typical=130, note="1 run with and 1 without the workaround"),
         Step("exit-stress", make("exit-stress", RUNS=2, BENCH_OUT=bench_out), timeout=150, typical=50,
              note="Gloo on the CPU by design: the abort is in Gloo's teardown"),
+        Step("free-stress", make("free-stress", RUNS=2, BENCH_OUT=bench_out), timeout=120, typical=30,
+             note="Gloo on the CPU by design: a DDP model alive at destroy_process_group"),
         Step("launch-legacy", make("launch-legacy", NPROC=nproc, EPOCHS=1, ARGS=f"{short} {share or ''}".strip()),
              timeout=90, typical=25, expect=final, note=shared_note),
     ]
