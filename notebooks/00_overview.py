@@ -58,12 +58,11 @@
 # every process, otherwise CPU + Gloo. `--device` and `--backend` override the choice. On this machine:
 
 # %% tags=["nbval-ignore-output"]
-from tools import course
+import common
 
-for nproc in (1, 2):
-    device, backend = course.choose_device(procs_per_node=nproc)
-    print(f"{nproc} process(es) per node -> device={device.type} backend={backend}")
-print(course.runtime_report(device, backend, 2))
+for nproc in (1, 2):  # the call every script makes, with the defaults of --device auto --backend auto
+    device, backend = common.device_and_backend(procs_per_node=nproc)
+    print(f"{nproc} process(es) on this machine -> device={device.type} backend={backend}")
 
 # %% [markdown]
 # ## The baseline
@@ -84,13 +83,16 @@ show("01_dataparallel/mnist_single.py", "train")
 # %%
 out = run("python 01_dataparallel/mnist_single.py --dataset mnist-standin --epochs 1 --max-steps 60")
 summary = final(out)
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+# the notebook's own checks (make test runs them; collapsed in Jupyter)
 assert summary["world_size"] == 1 and summary["test_samples"] == 4000
 assert records(out, "epoch")[0]["test_acc"] == summary["test_acc"]
 assert summary["test_acc"] > 0.5  # ten classes: chance is 0.1
 
 # %% [markdown]
-# Every training script ends with a `final:` line in the same format, which the tests read (`course.parse_lines`
-# reads any of the `kind: key=value` lines). After only 60 steps the accuracy is already well above chance; `make
+# Every training script ends with a `final:` line in the same format: the test set's accuracy and size, the world
+# size, the epochs, the seconds and the data set. After only 60 steps the accuracy is already well above chance; `make
 # smoke` runs the whole epoch.
 #
 # Next: [01_dataparallel.ipynb](01_dataparallel.ipynb), [02_ddp_spawn.ipynb](02_ddp_spawn.ipynb),

@@ -32,6 +32,9 @@
 from nbhelpers import final, records, run, show
 
 out = run("python 01_dataparallel/dataparallel_shapes.py --gpus 2")
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+# the notebook's own checks (make test runs them; collapsed in Jupyter)
 assert out.count("input size [15, 5]") == 6 and out.count("input size [5, 5]") == 2
 assert "Outside: input size [10, 5] output size [10, 2]" in out
 
@@ -52,14 +55,17 @@ show("01_dataparallel/mnist_dataparallel.py", marked="DP:")
 # trains the plain model, so the two print exactly the same losses.
 
 # %% tags=["nbval-ignore-output"]
-from tools import course
-
 args = "--dataset mnist-standin --epochs 1 --max-steps 40 --log-every 10"
 single = run(f"python 01_dataparallel/mnist_single.py {args}", quiet=True)
 dp = run(f"python 01_dataparallel/mnist_dataparallel.py {args}", quiet=True)
 print("baseline:    ", [s["loss"] for s in records(single, "step")])
 print("DataParallel:", [s["loss"] for s in records(dp, "step")])
-if course.gpu_count() == 0:
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+# the notebook's own checks (make test runs them; collapsed in Jupyter)
+import common
+
+if common.usable_gpus() == 0:
     assert records(single, "step") == records(dp, "step"), "without a GPU, DataParallel changes no number"
 else:
     assert "nn.DataParallel over GPUs" in dp

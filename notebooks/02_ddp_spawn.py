@@ -41,6 +41,9 @@ show("02_ddp_spawn/mnist_spawn.py", "main_worker", marked="DDP:")
 # %% tags=["nbval-skip"]
 # (the tests run this demo themselves: tests/test_02_ddp_spawn.py; nbval skips it to save time)
 out = run("python 02_ddp_spawn/ddp_basics.py basic --nproc 2")
+
+# %% tags=["nbval-skip", "check"] jupyter={"source_hidden": true}
+# the notebook's own checks (make test runs them; collapsed in Jupyter)
 assert "all 2 ranks hold the same weights: True" in out
 
 # %% [markdown]
@@ -53,6 +56,9 @@ assert "all 2 ranks hold the same weights: True" in out
 # %% tags=["nbval-skip"]
 # (the tests run this proof themselves: tests/test_02_ddp_spawn.py; nbval skips it to save time)
 out = run("python 02_ddp_spawn/ddp_equivalence.py --nproc 2")
+
+# %% tags=["nbval-skip", "check"] jupyter={"source_hidden": true}
+# the notebook's own checks (make test runs them; collapsed in Jupyter)
 assert "gradients_averaged=True" in out
 
 # %% [markdown]
@@ -74,6 +80,9 @@ out = run("python 02_ddp_spawn/mnist_spawn.py --nproc 2 --dataset mnist-standin 
           quiet=True, trace=trace)
 for row in shards(trace):
     print(f"rank {row['rank']}, epoch {row['epoch']}: {row['samples']} samples, first {row['first']}")
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+# the notebook's own checks (make test runs them; collapsed in Jupyter)
 verdicts = checks(trace)
 for name in ("shards", "order", "ddp", "buffers"):
     print(f"{name}: {verdicts[name][0]} ({verdicts[name][1]})")
@@ -139,6 +148,9 @@ for name in ("resnet18/default", "resnet18/one-bucket", "resnet18/no-sync"):
     r = results[name]
     print(f"{name:20s} {r['buckets']} bucket(s), {r['hidden_share']:.0%} of the all-reduce time under backward")
 # what the text says of this run: several buckets hide most of the all-reduce under backward, one bucket none
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+# the notebook's own checks (make test runs them; collapsed in Jupyter)
 assert results["resnet18/default"]["hidden_share"] > 0.5 and results["resnet18/no-sync"]["hidden_share"] > 0.5
 assert results["resnet18/one-bucket"]["buckets"] == 1 and results["resnet18/one-bucket"]["hidden_share"] == 0
 

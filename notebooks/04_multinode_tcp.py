@@ -56,11 +56,13 @@ for rank, local in joined:
     node = next(n for n, lr in started if lr == local and n * 2 + lr == rank)  # the command that made this rank
     print(f"rank {rank}: started as node {node}, local rank {local}: {node} x 2 + {local} = {node * 2 + local}; "
           f"trains on {samples[rank]} samples")
-assert [r for r, _ in joined] == [0, 1, 2, 3] and len(started) == 4 and sum(samples.values()) == 24000
 summary = final(out)
+print(f"final: world_size={summary['world_size']} test_samples={summary['test_samples']}")
+
+# %% tags=["nbval-skip", "check"] jupyter={"source_hidden": true}
+# the notebook's own checks (make test runs them; collapsed in Jupyter)
+assert [r for r, _ in joined] == [0, 1, 2, 3] and len(started) == 4 and sum(samples.values()) == 24000
 verdicts = checks(trace)
-print(f"final: world_size={summary['world_size']} test_samples={summary['test_samples']}; "
-      f"shards: {verdicts['shards'][0]}; same weights on every rank: {verdicts['ddp'][0]}")
 assert summary["world_size"] == 4 and summary["test_samples"] == 4000
 assert verdicts["shards"][0] == "ok" and verdicts["ddp"][0] == "ok" and verdicts["buffers"][0] == "ok"
 

@@ -28,9 +28,6 @@ import re
 from nbhelpers import run, show
 
 out = run("make --no-print-directory collectives NPROC=4 BACKEND=gloo", quiet=True)
-assert "result: all collectives correct" in out and "4 ranks, backend gloo" in out and "[WRONG]" not in out
-assert len(re.findall(r"^\S.*  \[OK\]$", out, re.M)) == 21  # every op checked against its closed form
-assert "rank 3: [30.0, 31.0, 32.0, 33.0]" in out  # the table shows every rank: rank 3's all_to_all row
 
 
 def block(title):
@@ -43,6 +40,12 @@ for title in ("all_reduce(SUM, float32)", "reduce_scatter(SUM)", "all_to_all_sin
     print(title)
     for rank, (before, after) in enumerate(block(title)):
         print(f"    rank {rank}: {before} -> {after}")
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+# the notebook's own checks (make test runs them; collapsed in Jupyter)
+assert "result: all collectives correct" in out and "4 ranks, backend gloo" in out and "[WRONG]" not in out
+assert len(re.findall(r"^\S.*  \[OK\]$", out, re.M)) == 21  # every op checked against its closed form
+assert "rank 3: [30.0, 31.0, 32.0, 33.0]" in out  # the table shows every rank: rank 3's all_to_all row
 
 # %% tags=["nbval-ignore-output"]
 import matplotlib.pyplot as plt
@@ -85,4 +88,7 @@ show("05_collectives/ddp_from_scratch.py", "train")
 # %% tags=["nbval-skip"]
 # (the tests run this proof themselves: tests/test_05_collectives.py; nbval skips it to save time)
 out = run("make --no-print-directory ddp-eval NPROC=3 ARGS='--subset 10'")
+
+# %% tags=["nbval-skip", "check"] jupyter={"source_hidden": true}
+# the notebook's own checks (make test runs them; collapsed in Jupyter)
 assert "padded_count=12 exact_count=10 exact_equals_single=True" in out

@@ -42,6 +42,10 @@ for amp in ("off", "auto"):
     traces[amp] = tempfile.mkdtemp()  # the tracer checks that both ranks end with the same weights and buffers
     runs[amp] = run(f"make --no-print-directory amp-syncbn NPROC=2 ARGS='{args} --amp {amp}'", quiet=True,
                     trace=traces[amp])
+    print(f"--amp {amp}:", runs[amp].strip().splitlines()[-1])
+
+# %% tags=["nbval-skip", "check"] jupyter={"source_hidden": true}
+# the notebook's own checks (make test runs them; collapsed in Jupyter)
 for amp, out in runs.items():
     summary, verdicts = final(out), checks(traces[amp])
     same = verdicts["ddp"][0] == "ok" and verdicts["buffers"][0] == "ok"
@@ -63,6 +67,9 @@ plt.legend()
 plt.tight_layout()
 plt.show()
 accs = [final(out)["test_acc"] for out in runs.values()]
+
+# %% tags=["nbval-skip", "check"] jupyter={"source_hidden": true}
+# the notebook's own checks (make test runs them; collapsed in Jupyter)
 assert abs(accs[0] - accs[1]) < 0.02
 
 # %% [markdown]
@@ -93,4 +100,7 @@ show("06_amp_syncbn/syncbn_by_hand.py", "AllReduceBatchNorm2d")
 
 # %% tags=["nbval-skip"]
 out = run("make --no-print-directory syncbn-proof NPROC=2")
+
+# %% tags=["nbval-skip", "check"] jupyter={"source_hidden": true}
+# the notebook's own checks (make test runs them; collapsed in Jupyter)
 assert "equal=True" in out
