@@ -79,6 +79,7 @@ def train(args, device, rank, world_size):
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same permutation on every rank
         model.train()
+        train_sums = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss x samples, samples
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", disable=None if rank == 0 else True)  # rank 0, a terminal
         for step, (images, labels) in enumerate(bar):
             if args.max_steps and step == args.max_steps:  # --max-steps: a short epoch (smoke runs, CI)
@@ -88,17 +89,20 @@ def train(args, device, rank, world_size):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP: all-reduces the gradients here, bucket by bucket, while backward runs
             optimizer.step()
+            train_sums[0] += loss.detach() * len(labels)  # on the device: no wait for the GPU here
+            train_sums[1] += len(labels)
             if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
                 print(f"step: epoch={epoch + 1} step={step + 1} loss={loss.item():.4f}")
 
         for buffer in model.buffers():  # DDP: rank 0's BatchNorm statistics everywhere (see README)
             dist.broadcast(buffer, src=0)
-        totals = common.evaluate(model, test_loader, device)  # sums over this rank's part of the test set
-        dist.all_reduce(totals)  # DDP: the sums of all ranks, on every rank
-        correct, samples, loss_sum = totals.tolist()
+        # sums over this rank's part of the test set, and over its training batches
+        totals = torch.cat([common.evaluate(model, test_loader, device), train_sums])
+        dist.all_reduce(totals)  # DDP: the sums of all ranks, on every rank: one all_reduce for every metric
+        correct, samples, loss_sum, train_loss_sum, trained = totals.tolist()
         if rank == 0:
-            print(f"epoch {epoch + 1}/{args.epochs}: train_loss={loss.item():.4f} test_loss={loss_sum / samples:.4f} "
-                  f"test_acc={correct / samples:.4f}")
+            print(f"epoch {epoch + 1}/{args.epochs}: train_loss={train_loss_sum / trained:.4f} "
+                  f"test_loss={loss_sum / samples:.4f} test_acc={correct / samples:.4f}")
         if path:  # FSDP: every rank writes its own shards (a collective) into a new folder; rank 0 swaps it in
             model_state, optimizer_state = get_state_dict(model, optimizer)
             dcp.save({"model": model_state, "optimizer": optimizer_state, "epoch": epoch + 1},
@@ -123,12 +127,11 @@ def train(args, device, rank, world_size):
 def main():
     parser = argparse.ArgumentParser(description="MNIST with FSDP2 (fully_shard), started by torchrun.")
     parser.add_argument("--bf16", default="auto", choices=("auto", "on", "off"), help="auto: on a GPU that has it")
-    parser.add_argument("--local-rank", "--local_rank", type=int, help="the deprecated launcher's; LOCAL_RANK wins")
+    parser.add_argument("--local-rank", "--local_rank", type=int, help="passed by the deprecated launcher; unused")
     args = common.add_training_flags(parser).parse_args()
-    # DDP: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK (on this node); the old launcher passes --local-rank
+    # DDP: torchrun tells each process its place: RANK among all, LOCAL_RANK among those on this node
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank if args.local_rank is None else args.local_rank))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # by hand on one machine: all here
+    local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     device, backend = common.device_and_backend(args.device, args.backend, local_rank, local_world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
@@ -144,7 +147,7 @@ def main():
             print(f"{world_size} processes, {local_world_size} on this node, on {device.type} with {backend}")
         train(args, device, rank, world_size)
     finally:
-        gc.collect()  # DDP: a model lives in reference cycles; free it before its group, or exit can abort
+        gc.collect()  # a workaround, not DDP: free the model (it lives in reference cycles) before its group
         dist.destroy_process_group()  # DDP: leave the group, also after an error
 
 

@@ -80,6 +80,13 @@ def measure(model_name: str, method: str) -> dict:
     return row
 
 
+def in_mib(biggest: dict) -> dict:
+    """The largest rank's bytes in MiB (2 decimals), and its total over DDP's at world size 1 ("vs_ddp")."""
+    return {key: {ws: {**{part: round(n / MiB, 2) for part, n in row.items()},
+                       "vs_ddp": round(row["total"] / biggest[f"{key.split('/')[0]}/ddp"]["1"]["total"], 2)}
+                  for ws, row in by_ws.items()} for key, by_ws in biggest.items()}
+
+
 def worker(rank: int, world_size: int, port: int, models: list[str], queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -115,17 +122,13 @@ def main() -> None:
     md = [f"# Memory per rank: DDP, ZeRO, FSDP2 (cpu, gloo, Adam), {time.strftime('%Y-%m-%d')}", "",
           f"torch {torch.__version__}; MiB per rank after one training step (the largest rank where they differ); "
           f"activations, DDP's buckets and FSDP2's all-gather buffers not counted (bench/memory.py).", ""]
-    rows = []
-    for key, by_ws in biggest.items():
-        model, method = key.split("/")
-        base = biggest[f"{model}/ddp"]["1"]["total"]
-        for ws, row in by_ws.items():
-            rows.append([model, method, ws, *(f"{row[p] / MiB:.2f}" for p in ("params", "grads", "optimizer", "total")),
-                         f"{row['total'] / base:.2f}"])
+    mib = in_mib(biggest)
+    rows = [[*key.split("/"), ws, *(f"{row[p]:.2f}" for p in ("params", "grads", "optimizer", "total", "vs_ddp"))]
+            for key, by_ws in mib.items() for ws, row in by_ws.items()]
     md += benchlib.md_table(["model", "method", "world size", "parameters", "gradients", "optimizer state",
                              "total", "vs DDP"], rows)
     payload = {"bench": "memory", "quick": args.quick, "machine": benchlib.machine_info(device, "gloo"),
-               "optimizer": "Adam", "unit": "bytes", "per_rank": per_rank, "max_over_ranks": biggest}
+               "optimizer": "Adam", "unit": "bytes", "per_rank": per_rank, "max_over_ranks": biggest, "mib": mib}
     out = Path(args.output_dir)
     paths = benchlib.write_results(out, name, payload, md)
     labels = [f"{key.replace('/', ' ')} N={ws}" for key, by_ws in biggest.items() for ws in by_ws]

@@ -21,13 +21,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # (parent, step): each step of the MNIST chain and the script it changes. The main line runs 1 -> 2 -> 3 -> 4;
-# step 6 builds on step 3 (torchrun is how real jobs are launched), and DataParallel is a side branch of step 1.
+# steps 6 and 7 build on step 3 (torchrun is how real jobs are launched), and DataParallel is a side branch of step 1.
 CHAIN = [
     ("01_dataparallel/mnist_single.py", "01_dataparallel/mnist_dataparallel.py"),
     ("01_dataparallel/mnist_single.py", "02_ddp_spawn/mnist_spawn.py"),
     ("02_ddp_spawn/mnist_spawn.py", "03_ddp_torchrun/mnist_torchrun.py"),
     ("03_ddp_torchrun/mnist_torchrun.py", "04_multinode_tcp/mnist_tcp.py"),
     ("03_ddp_torchrun/mnist_torchrun.py", "06_amp_syncbn/mnist_amp_syncbn.py"),
+    ("03_ddp_torchrun/mnist_torchrun.py", "07_beyond_ddp/mnist_fsdp2.py"),
 ]
 LIMIT = 70  # changed code lines (added + removed) a step may show: one lesson, its imports and its launcher
 BLOCK = re.compile(r"(<!-- chain-diff: (\S+) -> (\S+) -->\n)(.*?)(<!-- /chain-diff -->)", re.S)
