@@ -3,7 +3,8 @@
 # 03_ddp_torchrun/mnist_torchrun.py. Two ways for the nodes to find each other:
 #
 #   static: every node is told the job size, its own --node-rank and the master's address and port
-#   c10d:   every node is told a rendezvous endpoint and job id; node ranks follow arrival order
+#   c10d:   every node is told a rendezvous endpoint and job id; node ranks follow the agents' host addresses, then
+#           their process ids (not arrival order; --node-rank is ignored)
 #
 #   04_multinode_tcp/launch_torchrun_nodes.sh static|c10d NNODES NPROC [arguments for mnist_torchrun.py]
 #   JOIN_TIMEOUT=30 (seconds a node waits for the others; torchrun's default is 600)

@@ -288,3 +288,18 @@ def test_the_cheat_sheets_world_size_16_says_its_plan_and_names_nproc_per_node_w
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("spawn_per_node: error: ") and "--nproc-per-node" in last, res.tail()
     assert "processes joined within --timeout 5 s" in last
+
+
+def test_a_rank_at_or_above_the_world_size_is_refused_by_gloo_when_the_group_is_made():
+    """PyTorch's Python layer takes rank 1 of a world of 1; Gloo refuses it when it builds the group, once the
+    process has reached the store (here a store of its own, so there is nothing else to wait for)."""
+    code = """
+import datetime, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+try:
+    dist.init_process_group("gloo", store=store, rank=1, world_size=1, timeout=datetime.timedelta(seconds=5))
+except RuntimeError as err:
+    print(str(err).splitlines()[0])
+"""
+    res = run([PYTHON, "-c", code], timeout=60)
+    assert "gloo/context.cc" in res.stdout and "rank < size. 1 vs 1" in res.stdout, res.tail()

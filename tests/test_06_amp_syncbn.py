@@ -205,3 +205,25 @@ dist.destroy_process_group()
     out = run([PYTHON, "-c", code], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120).stdout
     assert "wrap raised: SyncBatchNorm layers only work with GPU modules" in out, out
     assert "forward raised: SyncBatchNorm expected input tensor to be on GPU" in out, out
+
+
+def test_converting_to_syncbatchnorm_after_the_wrap_keeps_the_parameters_ddp_reduces():
+    """convert_sync_batchnorm on a DDP model swaps the BatchNorm layers inside ddp_model.module in place and keeps
+    their parameter and buffer objects, the ones DDP registered (a world of one process, on the CPU)."""
+    code = """
+import torch, torch.distributed as dist
+from torch import nn
+import common
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{common.free_port()}", rank=0, world_size=1)
+model = nn.parallel.DistributedDataParallel(common.ConvNet())
+before = {name: id(p) for name, p in model.named_parameters()}
+buffers = {name: id(b) for name, b in model.named_buffers()}
+converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+kinds = sorted({type(m).__name__ for m in converted.module.modules() if "Norm" in type(m).__name__})
+print(converted is model, kinds, before == {n: id(p) for n, p in model.named_parameters()},
+      buffers == {n: id(b) for n, b in model.named_buffers()})
+del model, converted
+dist.destroy_process_group()
+"""
+    res = run([PYTHON, "-c", code], timeout=120)
+    assert res.stdout.split() == ["True", "['SyncBatchNorm']", "True", "True"], res.tail()
