@@ -43,16 +43,17 @@ def run_demo(rank, world_size, args):
     """The life of one process: join the group, run the demo, leave the group. mp.spawn calls this."""
     if args.demo == "fail" and rank == 1:  # e.g. a missing file: rank 1 dies while rank 0 waits for it
         raise RuntimeError("rank 1 fails on purpose before joining the process group")
-    if args.demo == "model-parallel":  # two GPUs per process: this one's first is 2 * rank
+    if args.demo == "model-parallel":  # two GPUs per process: this one's first is 2 * rank (main checked them)
         device = torch.device("cuda", 2 * rank) if args.device == "cuda" else torch.device("cpu")
+        backend = args.backend
     else:
-        device, _ = common.device_and_backend(args.device, args.backend, rank, world_size)
+        device, backend = common.device_and_backend(args.device, args.backend, rank, world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this process's GPU, before anything touches CUDA
     # env://, as the notes' setup() does: MASTER_ADDR and MASTER_PORT come from the parent's environment. A model
     # that spans two GPUs binds no device: NCCL would refuse the half that lives on the other one
-    bind = args.backend == "nccl" and args.demo != "model-parallel"
-    dist.init_process_group(args.backend, init_method="env://", rank=rank, world_size=world_size,
+    bind = backend == "nccl" and args.demo != "model-parallel"
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout), device_id=device if bind else None)
     try:
         DEMOS[args.demo](rank, world_size, device, args)
@@ -82,7 +83,8 @@ def same_on_all_ranks(model, device) -> bool:
 
 
 def demo_basic(rank, world_size, device, args):
-    print(f"rank {rank}/{world_size}: running the basic DDP example on {device}", flush=True)
+    # every rank prints: the newline inside the string and end="" make one write, so lines never mix
+    print(f"rank {rank}/{world_size}: running the basic DDP example on {device}\n", end="", flush=True)
     model = DDP(common.ToyModel().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     one_step(model, device)  # every rank feeds different random data...
     same = same_on_all_ranks(model, device)  # ...and still ends with the same weights
@@ -101,7 +103,7 @@ def demo_checkpoint(rank, world_size, device, args):
     # the file says "cuda:0" (where rank 0 saved it); map it to this rank's device
     map_location = {"cuda:0": str(device)} if device.type == "cuda" else "cpu"
     model.module.load_state_dict(torch.load(path, map_location=map_location, weights_only=True))
-    print(f"rank {rank} loaded the checkpoint (weights_only=True, map_location={map_location})", flush=True)
+    print(f"rank {rank} loaded the checkpoint (weights_only=True, map_location={map_location})\n", end="", flush=True)
     one_step(model, device)
     same = same_on_all_ranks(model, device)
     dist.barrier()  # every rank has read the file before it is removed
@@ -118,7 +120,7 @@ def demo_model_parallel(rank, world_size, device, args):
     model = DDP(ToyMpModel(dev0, dev1))  # no device_ids for a model that spans several devices
     one_step(model, dev0, out_device=dev1)  # outputs come out on dev1
     same = same_on_all_ranks(model, dev0)
-    print(f"rank {rank}: net1 on {dev0}, net2 on {dev1}", flush=True)
+    print(f"rank {rank}: net1 on {dev0}, net2 on {dev1}\n", end="", flush=True)
     if rank == 0:
         print(f"model parallel inside, data parallel across: ranks agree: {same}", flush=True)
 
@@ -166,17 +168,13 @@ def main():
     args = parser.parse_args()
     if args.nproc < 2:
         parser.error("--nproc must be at least 2: these demos compare ranks")
-    runs = []  # every demo's placement is checked before the first one starts
-    for demo in args.demos:
-        try:
-            if demo == "model-parallel":
-                device, backend = model_parallel_placement(args.device, args.backend, args.nproc)
-            else:
-                device, backend = common.device_and_backend(args.device, args.backend, 0, args.nproc)
-                device = device.type
-        except RuntimeError as err:  # a placement this machine cannot give: say so before any process starts
-            parser.error(str(err))
-        runs.append(argparse.Namespace(**{**vars(args), "demo": demo, "device": device, "backend": backend}))
+    runs = [argparse.Namespace(**vars(args), demo=demo) for demo in args.demos]
+    for run in runs:
+        if run.demo == "model-parallel":  # 2 GPUs per process: said in one line before any demo starts
+            try:
+                run.device, run.backend = model_parallel_placement(args.device, args.backend, args.nproc)
+            except RuntimeError as err:
+                parser.error(str(err))
     for run in runs:
         if len(runs) > 1:
             print(f"--- ddp_basics.py {run.demo}", flush=True)
@@ -185,7 +183,6 @@ def main():
 
 def start(args):
     """One demo: its own processes, its own process group, on a port that is free now."""
-    print(f"{args.demo}: {args.nproc} processes on {args.device} with {args.backend}", flush=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"  # the workers all run on this machine
     os.environ["MASTER_PORT"] = str(common.free_port())  # a free port now; a fixed one may be taken
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N processes x all cores would fight

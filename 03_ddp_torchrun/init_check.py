@@ -36,13 +36,15 @@ def main():
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
-    print(f"[pid {os.getpid()}] initialising the process group ({backend}, timeout {args.timeout:g} s)", flush=True)
+    # every rank prints: the newline inside the string and end="" make one write, so lines never mix
+    print(f"[pid {os.getpid()}] initialising the process group ({backend}, timeout {args.timeout:g} s)\n", end="",
+          flush=True)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),  # env:// from torchrun
                             device_id=device if backend == "nccl" else None)  # NCCL: bind this GPU now
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         print(f"[pid {os.getpid()}] rank={rank} local_rank={local_rank} world_size={world_size} "
-              f"backend={dist.get_backend()} device={device} host={socket.gethostname()}", flush=True)
+              f"backend={dist.get_backend()} device={device} host={socket.gethostname()}\n", end="", flush=True)
         total = torch.ones(1, device=device)
         dist.all_reduce(total)  # every rank adds 1: the sum must be the world size
         ok = int(total.item()) == world_size

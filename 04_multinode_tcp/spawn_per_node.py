@@ -23,8 +23,11 @@ the same weights. On a GPU machine each simulated machine gets its own GPUs (CUD
 inside it); with too few for one per process everything runs on the CPU.
 """
 
+import argparse
+import gc
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -37,8 +40,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-import workarounds
-from tools import course
 
 
 def rank_of(counts: list[int], node: int, local: int) -> int:
@@ -48,20 +49,18 @@ def rank_of(counts: list[int], node: int, local: int) -> int:
 
 def worker(local_rank, counts, args):
     """One process: join the job with its global rank, learn the line with DDP, compare the weights."""
-    workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
     rank, world_size = rank_of(counts, args.node_rank, local_rank), sum(counts)
     here = counts[args.node_rank]
-    device, backend = course.choose_device(args.device, args.backend, local_rank=local_rank, procs_per_node=here)
+    device, backend = common.device_and_backend(args.device, args.backend, local_rank, here)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
-    else:
-        course.share_cpu_threads(here)  # DDP: share the cores, unless OMP_NUM_THREADS is already set
     # DDP: env://, as the notes do it: every process was told the master's address and port, and its own rank
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     try:
-        course.say(f"rank {rank} = {sum(counts[:args.node_rank])} (processes on the machines before) + local rank "
-                   f"{local_rank}, on machine {args.node_rank}, {device}")
+        # every rank prints: the newline inside the string and end="" make one write, so lines never mix
+        print(f"rank {rank} = {sum(counts[:args.node_rank])} (processes on the machines before) + local rank "
+              f"{local_rank}, on machine {args.node_rank}, {device}\n", end="", flush=True)
         torch.manual_seed(rank)  # DDP: different samples on every rank; the wrap makes the weights equal
         model = DDP(nn.Linear(1, 1).to(device), device_ids=[device.index] if device.type == "cuda" else None)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -76,11 +75,11 @@ def worker(local_rank, counts, args):
         dist.all_gather_object(every, weights)  # DDP: rank 0 compares everyone's weights
         if rank == 0:
             agree = all(w == every[0] for w in every)
-            course.say(f"result: world_size={world_size} machines={len(counts)} w={weights[0]:.3f} "
-                       f"b={weights[1]:.3f} ranks_agree={agree}")
+            print(f"result: world_size={world_size} machines={len(counts)} w={weights[0]:.3f} "
+                  f"b={weights[1]:.3f} ranks_agree={agree}", flush=True)
         dist.barrier()  # DDP: every rank finishes its work before any tears the group down
     finally:
-        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
+        gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         dist.destroy_process_group()  # DDP: leave the group, also after an error
 
 
@@ -98,59 +97,58 @@ def simulate(counts: list[int], args) -> int:
         if gpus and enough:  # this machine's GPUs, numbered from 0 inside it, as on a real one
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[sum(counts[:node]):sum(counts[:node + 1])])
         cmd += ["--device", args.device if enough or not gpus else "cpu"]
-        course.say(f"machine {node}: {' '.join(cmd[1:])}")
-        procs.append(subprocess.Popen(cmd, env=env))
+        print(f"machine {node}: {' '.join(cmd[1:])}", flush=True)
+        # a session of its own: stopping a "machine" below stops its spawned workers too (its process group)
+        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     deadline = time.time() + args.timeout + 120
     while any(p.poll() is None for p in procs):
         if any(p.poll() not in (None, 0) for p in procs) or time.time() > deadline:
             for p in procs:
                 if p.poll() is None:
-                    p.terminate()
+                    os.killpg(p.pid, signal.SIGTERM)
             for p in procs:
                 p.wait()
-            course.say("a machine failed (or the job ran too long): stopped the others")
+            print("a machine failed (or the job ran too long): stopped the others", flush=True)
             return 1
         time.sleep(0.1)
     return 0 if all(p.returncode == 0 for p in procs) else 1
 
 
 def _visible_gpus() -> list[str]:
-    count = course.gpu_count()
+    count = common.usable_gpus()
     named = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
     return (named or [str(i) for i in range(count)])[:count]
 
 
 def counts_of(text: str) -> list[int]:
+    """--nproc-per-node: one count, or one per machine (2,1)."""
     try:
         counts = [int(c) for c in text.split(",")]
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
-        raise course.UsageError(f"--nproc-per-node: expected whole numbers of at least 1, like 2 or 2,1; got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected whole numbers of at least 1, like 2 or 2,1; got {text!r}")
     return counts
 
 
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", default="2",
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=counts_of, default="2",
                         help="processes on each machine: one number for all, or a list like 2,1 (default 2)")
-    parser.add_argument("--nnodes", type=course.positive_int, help="machines, when --nproc-per-node is one number")
-    parser.add_argument("--world-size", "--world_size", type=course.positive_int,
+    parser.add_argument("--nnodes", type=int, help="machines, when --nproc-per-node is one number")
+    parser.add_argument("--world-size", "--world_size", type=int,
                         help="optional: the job's size, checked against the counts (or, with one count, it gives "
                              "the number of machines)")
     parser.add_argument("--node-rank", "--node_rank", type=int, help="this machine's number, 0 .. machines-1")
     parser.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="machine 0's address")
-    parser.add_argument("--master-port", "--master_port", type=course.positive_int, help="a free port on machine 0")
+    parser.add_argument("--master-port", "--master_port", type=int, help="a free port on machine 0")
     parser.add_argument("--simulate-nodes", action="store_true", help="run every machine's command here")
-    parser.add_argument("--steps", type=course.positive_int, default=60)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    parser.add_argument("--timeout", type=course.positive_float, default=60.0)
+    parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
-    try:
-        counts = counts_of(args.nproc_per_node)
-    except course.UsageError as err:
-        parser.error(str(err))
+    counts = args.nproc_per_node
     if len(counts) == 1:
         nnodes = args.nnodes or (args.world_size // counts[0] if args.world_size else 1)
         counts = counts * nnodes
@@ -165,12 +163,11 @@ def main():
     os.environ["MASTER_PORT"] = str(args.master_port)
     first = rank_of(counts, args.node_rank, 0)
     plan = f"{len(counts)} machine(s) of {'+'.join(map(str, counts))} process(es) = {sum(counts)}"
-    course.say(f"plan: {plan}; this is machine {args.node_rank}, ranks {first}..{first + counts[args.node_rank] - 1}")
+    print(f"plan: {plan}; this is machine {args.node_rank}, ranks {first}..{first + counts[args.node_rank] - 1}\n",
+          end="", flush=True)  # one write: the machines print at once
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N processes x all cores would fight
     try:
-        course.choose_device(args.device, args.backend, procs_per_node=counts[args.node_rank])
         mp.spawn(worker, args=(counts, args), nprocs=counts[args.node_rank], join=True)  # this machine's share
-    except course.UsageError as err:
-        parser.error(str(err))
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
         joined = re.search(r"(\d+)/(\d+) clients joined", str(err))
         if joined or "DistStoreError" in str(err):  # the other machines never came: often not the plan meant
@@ -178,7 +175,7 @@ def main():
             sys.exit(f"spawn_per_node: error: {who} processes joined within --timeout {args.timeout:g} s. The plan "
                      f"was {plan}; start every machine's command, or give each machine's real count with "
                      f"--nproc-per-node (two machines of 8: --nproc-per-node 8)")
-        sys.exit(f"spawn_per_node: a worker failed, all stopped here.\n{course.worker_error(err)}")
+        sys.exit(f"spawn_per_node: a worker failed, all stopped here.\n{err}")
 
 
 if __name__ == "__main__":
