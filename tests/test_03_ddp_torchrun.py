@@ -191,6 +191,10 @@ def test_the_old_launchers_use_env_sets_local_rank_instead_of_passing_it(tmp_pat
     res = run([PYTHON, "-m", "torch.distributed.launch", "--use-env", "--local-addr", "127.0.0.1",
                "--nproc-per-node", "1", show], timeout=120)
     assert "argv [] LOCAL_RANK 0" in res.stdout, res.tail()
+    # the reference writes it --use-env=True: a flag without a value, so argparse refuses the value
+    refused = run([PYTHON, "-m", "torch.distributed.launch", "--use-env=True", "--nproc-per-node", "1", show],
+                  timeout=120, expect_rc=2)
+    assert "argument --use-env/--use_env: ignored explicit argument 'True'" in refused.stderr, refused.tail()
 
 
 def test_init_device_mesh_starts_the_default_group_itself_with_gloo_for_the_cpu():
@@ -200,8 +204,10 @@ def test_init_device_mesh_starts_the_default_group_itself_with_gloo_for_the_cpu(
             " dist.get_backend_config())\n"
             "dist.destroy_process_group()\n")
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(common.free_port())}
-    # no backend named: the CPU gets Gloo, which get_backend() does not say ("undefined"); the config does
-    assert "group True 1 1 undefined cpu:gloo" in run([PYTHON, "-c", code], env=env, timeout=120).stdout
+    # no backend named: the CPU gets Gloo, which get_backend() does not say ("undefined"); the config does (with
+    # nccl for cuda where torch has CUDA: the mesh asks for both devices' backends)
+    out = run([PYTHON, "-c", code], env=env, timeout=120).stdout
+    assert "group True 1 1 undefined " in out and "cpu:gloo" in out.split()[-1].split(","), out
 
 
 def test_old_underscore_spelling_parses_without_launcher(data_dir, monkeypatch):
