@@ -8,8 +8,11 @@
 It runs your script unchanged, for a short bounded run (each epoch's training loader ends after --batches
 batches, from outside), with the course's tracer watching every process (tools/tracer.py), then prints one
 verdict per check and the course section that teaches the fix. Exit code 1 when a check finds the training
-wrong, 0 when it finds nothing wrong (advice and information do not count), 2 when the script cannot run or
-hangs (stopped after --timeout seconds, naming the ranks that were still running). The script runs in its own
+wrong, 0 when it finds nothing wrong (advice and information do not count), 2 when the script cannot run, fails
+(its failing rank's last lines are shown; a rank that only aborts as its interpreter exits, after its work, gets
+advice instead), needs CUDA where there is none (one line), or hangs (stopped after --timeout seconds, naming the
+ranks that were still running). Through make, make itself exits 2 whenever the doctor does not exit 0; its last
+line, `make: *** [...: doctor] Error K`, carries the doctor's code K. The script runs in its own
 folder, and nothing is written there except what your script writes itself: the trace goes to a temporary folder.
 
 Run it for at least 2 epochs: with one, whether the order changes between epochs cannot be seen.
@@ -18,6 +21,7 @@ Run it for at least 2 epochs: with one, whether the order changes between epochs
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -101,21 +105,96 @@ def _rank_of(trace: Path, pids: list[int]) -> list[str]:
     return sorted(set(found))
 
 
-def extra_checks(ranks: dict, code: int | None, output: str) -> list[tracecheck.Check]:
+NO_CUDA = re.compile(r"(?:Found no NVIDIA driver|Torch not compiled with CUDA|No CUDA GPUs are available|"
+                     r"CUDA driver initialization failed|ProcessGroupNCCL is only supported with GPUs|"
+                     r"Attempting to deserialize object on a CUDA device)[^.!\n]*")
+
+
+def needs_cuda(output: str, trace: Path) -> str | None:
+    """The first error that says the script wants CUDA where there is none, else None: from each process's own
+    exception (the tracer's records), then from the output, where two ranks' lines can interleave."""
+    for text in ["".join(lines) for lines in errors(trace).values()] + [output]:
+        if found := NO_CUDA.search(text):
+            return found.group(0).strip()
+    return None
+
+
+def exit_codes(output: str) -> dict[int, int | str]:
+    """Each failed rank's exit code (a negative number, or a signal's name, when a signal ended it), from
+    torchrun's failure summary or mp.spawn's exception."""
+    codes: dict[int, int | str] = {}
+    for rank, code in re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)", output):
+        codes[int(rank)] = int(code)
+    for rank, code, signal_name in re.findall(r"process (\d+) terminated with (?:exit code (\d+)|signal (\w+))",
+                                              output):
+        codes[int(rank)] = int(code) if code else signal_name
+    for rank in re.findall(r"-- Process (\d+) terminated with the following error", output):
+        codes.setdefault(int(rank), 1)
+    return codes
+
+
+def errors(trace: Path) -> dict:
+    """The last lines of each uncaught exception the tracer saw, by rank (None: a process that is no rank, such as
+    mp.spawn's parent)."""
+    found = {}
+    for path in sorted(trace.glob("trace-*.jsonl")):
+        for line in path.read_text(errors="replace").splitlines():
+            if '"ev": "error"' in line:
+                event = json.loads(line)
+                found[event["rank"]] = event["lines"]
+    return found
+
+
+SECONDARY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket Timeout|"
+                       r"ProcessGroup.*(?:aborted|terminated)|DistNetworkError", re.I)
+
+
+def failure(ranks: dict, code: int | None, output: str, trace: Path) -> tuple[str, int | None] | None:
+    """Why the run failed and which rank failed first, or None when every rank reached the end of the script (a rank
+    that only aborts in the interpreter's exit, after its work, has not failed: that is the finish check's advice).
+    The rank that failed first: one whose own exception is not the loss of a peer, else torchrun's root cause."""
+    if code == 0:
+        return None
+    codes = exit_codes(output)
+    ended = all(any(e["ev"] == "exit" for e in ev) and not any(e["ev"] == "error" for e in ev)
+                for ev in ranks.values())
+    positive = {r: c for r, c in codes.items() if isinstance(c, int) and c > 0}
+    if ended and not positive:
+        return None
+    own = [r for r, lines in errors(trace).items() if r is not None and not SECONDARY.search("".join(lines[-2:]))]
+    root = re.search(r"Root Cause.*?rank\s*: (\d+)", output, re.S)
+    rank = min(own) if own else int(root.group(1)) if root else min(positive or codes, default=None)
+    if rank is None:
+        return f"the script ended with exit code {code}", None
+    if rank in own:
+        return f"rank {rank} failed: {errors(trace)[rank][-1].strip()}", rank
+    rank_code = codes.get(rank, 1)
+    how = f"exit code {rank_code}" if isinstance(rank_code, int) and rank_code > 0 else \
+        f"signal {str(rank_code).lstrip('-')}"
+    return f"rank {rank} failed ({how})", rank
+
+
+def extra_checks(ranks: dict, code: int | None, output: str, trace: Path) -> list[tracecheck.Check]:
     """Advice and information beyond the trace checks: a clean finish, the effective batch."""
     checks = []
     missing = sorted(r for r, ev in ranks.items() if not any(e["ev"] == "destroy" for e in ev))
+    aborted = code != 0 and failure(ranks, code, output, trace) is None
     if code == 0 and not missing:
         checks.append(tracecheck.Check("finish", "ok", "every rank left the group with destroy_process_group()"))
+    elif missing and aborted:
+        checks.append(tracecheck.Check("finish", "advice", f"rank(s) {missing} never called destroy_process_group() "
+                                                           f"and aborted as the interpreter exited, after their work "
+                                                           f"(the launcher's exit code is {code}): call it at the end, "
+                                                           f"in a `finally` (section 02)"))
     elif missing:
         checks.append(tracecheck.Check("finish", "advice", f"rank(s) {missing} never called destroy_process_group(): "
                                                            f"call it in a `finally` (section 02)"))
-    elif "SIGABRT" in output:
+    elif aborted:
         checks.append(tracecheck.Check("finish", "advice", "a rank aborted (SIGABRT) after destroy_process_group(): "
                                                            "a DDP model was still alive when the group went. Build "
                                                            "it in a function that returns first (section 02)"))
     else:
-        checks.append(tracecheck.Check("finish", "advice", f"the run ended with exit code {code} (output below)"))
+        checks.append(tracecheck.Check("finish", "failed", f"the run ended with exit code {code} (see below)"))
     inits = [e for ev in ranks.values() for e in ev if e["ev"] == "init"]
     if inits and inits[0].get("timeout") is None:
         checks.append(tracecheck.Check("timeout", "advice", "init_process_group() got no timeout=: a rank that "
@@ -124,13 +203,16 @@ def extra_checks(ranks: dict, code: int | None, output: str) -> list[tracecheck.
                                                             "(section 02)"))
     if inits:
         world = inits[0]["world_size"]
-        sizes = {e.get("batch_size") for ev in ranks.values() for e in ev if e["ev"] == "loader" and e["train"]}
-        sizes.discard(None)
-        if len(sizes) == 1:
-            size = sizes.pop()
-            checks.append(tracecheck.Check("batch", "info", f"{size} samples per step per rank x {world} ranks = "
-                                                            f"{size * world} per optimizer step: scale the learning "
-                                                            f"rate with it, or keep the global batch (section 02)"))
+        passes = [e for ev in ranks.values() for e in ev if e["ev"] == "loader" and e["train"]]
+        sizes = {e.get("batch_size") for e in passes} - {None}
+        steps = {e.get("first_step_at") for e in passes} - {None}  # batches fetched by the first optimizer step
+        if len(sizes) == 1 and len(steps) <= 1:
+            size, every = sizes.pop(), steps.pop() if steps else 1
+            what = f"{size} samples per batch per rank x {every} batches per step" if every > 1 else \
+                f"{size} samples per step per rank"
+            checks.append(tracecheck.Check("batch", "info", f"{what} x {world} ranks = {size * every * world} per "
+                                                            f"optimizer step: scale the learning rate with it, or "
+                                                            f"keep the global batch (section 02)"))
     return checks
 
 
@@ -166,21 +248,34 @@ def main(argv=None) -> int:
                   f"{', '.join(waiting) or 'the launcher'}. A rank waits in a collective the others never call "
                   f"(section 05, 'Hangs'); nothing is left running", file=sys.stderr)
             return 2
+        cuda = needs_cuda(output, trace) if code != 0 else None
+        if cuda:
+            print(f"doctor: error: the script needs CUDA and this machine has none ({cuda}): run it on a machine "
+                  f"with a GPU, or let it choose the CPU and Gloo when torch.cuda.is_available() is False "
+                  f"(section 02)", file=sys.stderr)
+            return 2
         ranks = tracecheck.load(trace)
         if not ranks:
             tail = "\n".join(output.strip().splitlines()[-15:])
             print(f"{tail}\ndoctor: error: the script ended with exit code {code} before any process joined a "
                   f"process group (its output is above)", file=sys.stderr)
             return 2
-        checks = tracecheck.judge(trace) + extra_checks(ranks, code, output)
+        checks = tracecheck.judge(trace) + extra_checks(ranks, code, output, trace)
         print(f"check-up of {opts.script.name}: {len(ranks)} ranks, exit code {code}")
         for check in checks:
             print(f"  {check}")
         wrong = [c.name for c in checks if c.verdict == "wrong"]
+        failed = failure(ranks, code, output, trace)
+        if failed:
+            why, rank = failed
+            print(f"verdict: FAILED: {why}; the checks above cover only what ran before")
+            found = errors(trace)
+            lines = found.get(rank) or found.get(None) or next(iter(found.values()), None)
+            last = "".join(lines).rstrip() if lines else "\n".join(output.strip().splitlines()[-15:])
+            print(f"{last}\ndoctor: error: {why} (its last lines are above)", file=sys.stderr)
+            return 2
         print(f"verdict: {'WRONG: ' + ', '.join(wrong) if wrong else 'nothing wrong found'} (each classic error, made "
               f"on purpose and fixed: make errors)")
-        if code != 0:
-            print("\n".join(output.strip().splitlines()[-15:]), file=sys.stderr)
         return 1 if wrong else 0
     finally:
         shutil.rmtree(trace, ignore_errors=True)

@@ -41,8 +41,29 @@ def load(trace_dir) -> dict[int, list[dict]]:
     ranks: dict[int, list[dict]] = {}
     for attempt, _, rank, events in sorted(processes, key=lambda p: (p[0], p[1])):
         if attempt == last:
-            ranks[rank] = events
+            ranks[rank] = _settled(events)
     return ranks
+
+
+def _settled(events: list[dict]) -> list[dict]:
+    """Each loader event with what its pass turned out to be (tools/tracer.py writes it when the pass ends): "train"
+    when the loop stepped an optimizer or ran a backward while it handed out batches, else an evaluation when it was
+    read to its end; a pass left early without either (a peek at one batch) is dropped: it is no epoch. A pass that
+    never ended (the process failed or was killed in it) keeps the tracer's first guess (autograd on or off)."""
+    ends = {e["pass_id"]: e for e in events if e["ev"] == "pass_end"}
+    settled = []
+    for e in events:
+        end = ends.get(e.get("pass_id")) if e["ev"] == "loader" else None
+        if end is not None:
+            if end["kind"] == "peek":
+                continue
+            e = {**e, "train": end["kind"] == "train", "complete": end["complete"], "fetched": end["fetched"],
+                 "first_step_at": end.get("first_step_at")}
+            for key in ("indices", "samples"):
+                if key in end:
+                    e[key] = end[key]
+        settled.append(e)
+    return settled
 
 
 def _passes(events, train: bool) -> list[dict]:
@@ -56,6 +77,8 @@ def check_shards(ranks) -> Check:
         return Check(name, "unknown", "fewer than 2 ranks or no training pass seen")
     for epoch in range(epochs):
         lists = [_passes(ranks[r], True)[epoch] for r in sorted(ranks)]
+        if any(p.get("iterable") for p in lists):
+            return _iterable_shards(lists, epochs)
         n = lists[0]["dataset_len"]
         total = sum(len(p["indices"]) for p in lists)
         shared = total - len(set().union(*(p["indices"] for p in lists)))
@@ -69,13 +92,42 @@ def check_shards(ranks) -> Check:
     return Check(name, "ok", f"{epochs} epoch(s): the ranks' shards are disjoint and cover the training set")
 
 
+def _iterable_shards(lists, epochs) -> Check:
+    """An IterableDataset has no indices: its items are compared across ranks by content (a fingerprint of each)."""
+    name = "shards"
+    if any(p.get("samples") is None for p in lists):
+        return Check(name, "unknown", "an IterableDataset read by DataLoader worker processes: what each rank's "
+                                      "loader yields is not seen (num_workers=0 shows it)")
+    seen = [set(p["samples"]) for p in lists]
+    shared = set.union(*(a & b for i, a in enumerate(seen) for b in seen[i + 1:]))
+    items = sum(len(p["samples"]) for p in lists)
+    if shared:
+        return Check(name, "wrong", f"the ranks' IterableDataset yields the same items: {len(shared)} item(s) on more "
+                                    f"than one rank, of {items} read; each rank must yield only its own (for example "
+                                    f"items rank, rank + world_size, ... of the stream; section 02)")
+    if not all(p.get("complete") for p in lists):
+        return Check(name, "unknown", f"an IterableDataset: no item on two ranks among the {items} read, but the "
+                                      f"stream did not end within seconds of the batches run, so whole passes "
+                                      f"could not be compared")
+    return Check(name, "ok", f"{epochs} epoch(s) of an IterableDataset: the ranks' items are disjoint ({items} in a "
+                             f"whole pass; whether together they are the whole data set is not known: it has no "
+                             f"indices)")
+
+
 def check_order(ranks) -> Check:
     name = "order"
     for rank, events in sorted(ranks.items()):
         passes = _passes(events, True)
         if len(passes) < 2:
             return Check(name, "unknown", "one epoch run: whether the order changes between epochs cannot be seen")
-        orders = [tuple(p["indices"]) for p in passes]
+        orders = [tuple(p["samples"] if p.get("iterable") else p["indices"] or ()) for p in passes]
+        if any(p.get("iterable") for p in passes):
+            if any(p.get("samples") is None for p in passes):
+                return Check(name, "unknown", "an IterableDataset read by worker processes: its order is not seen")
+            if len(set(orders)) < len(orders):
+                return Check(name, "unknown", f"rank {rank}'s IterableDataset yields the same order every epoch: "
+                                              f"whether it should shuffle is its own choice")
+            continue
         if len(set(orders)) < len(orders):
             calls = sum(e["ev"] == "set_epoch" for e in events)
             why = "set_epoch is never called" if not calls else f"set_epoch called {calls} time(s), not every epoch"
@@ -94,6 +146,13 @@ def check_ddp(ranks) -> Check:
     digests = {r: next((d for when in ("eval", "destroy", "freed") if (d := _last_digest(ev, when)) and d["params"]),
                        None) for r, ev in ranks.items()}
     params = {r: d["params"] for r, d in digests.items() if d and d["params"]}
+    sharded = {r: d["unsharded"] for r, d in digests.items() if d and d.get("unsharded") is not None}
+    if sharded and len(sharded) == len(ranks):  # FSDP2: the ranks hold different shards by design
+        if max(sharded.values()):
+            return Check(name, "wrong", f"{max(sharded.values())} parameter(s) stay plain tensors beside FSDP2's "
+                                        f"shards: nothing averages their gradients (fully_shard the root too; "
+                                        f"section 07)")
+        return Check(name, "ok", "every rank trains an FSDP2 model: every parameter is a shard (DTensor)")
     if bare:
         return Check(name, "wrong", f"rank(s) {bare} train a model that is not wrapped in DDP: no gradient is "
                                     f"averaged (section 02)")
@@ -105,13 +164,24 @@ def check_ddp(ranks) -> Check:
 
 
 def check_buffers(ranks) -> Check:
+    """Judged where the buffers are used: at the first forward of a DDP model's module in eval mode (through the
+    wrapper that comes after DDP's pre-forward broadcast of rank 0's buffers). A run that never runs the module in
+    eval mode falls back to the buffers when an evaluation loader starts, which can only say they are equal."""
     name = "buffers"
+    used = {r: d["buffers"] for r, ev in ranks.items() if (d := _last_digest(ev, "forward"))}
+    if used and len(used) < len(ranks):
+        return Check(name, "unknown", f"only rank(s) {sorted(used)} evaluate a DDP model with buffers")
+    if used:
+        if len(set(used.values())) > 1:
+            return Check(name, "wrong", "the BatchNorm running statistics differ per rank where the evaluation "
+                                        "uses them: broadcast rank 0's buffers first, or use SyncBatchNorm (sections "
+                                        "02, 06)")
+        return Check(name, "ok", "every rank evaluates with the same BatchNorm statistics")
     buffers = {r: d["buffers"] for r, ev in ranks.items() if (d := _last_digest(ev)) and d["buffers"]}
     if len(buffers) < len(ranks):
         return Check(name, "unknown", "no DDP module with buffers seen at an evaluation on every rank")
     if len(set(buffers.values())) > 1:
-        return Check(name, "wrong", "the BatchNorm running statistics differ per rank when evaluation starts: "
-                                    "broadcast rank 0's buffers first, or use SyncBatchNorm (sections 02, 06)")
+        return Check(name, "unknown", "a DDP module's buffers differ per rank, but no rank evaluates with that module")
     return Check(name, "ok", "every rank evaluates with the same BatchNorm statistics")
 
 
@@ -123,14 +193,23 @@ def check_eval(ranks) -> Check:
         evaluated = sorted(r for r, p in passes.items() if p)
         if evaluated and len(evaluated) < len(ranks):
             return Check(name, "ok", f"only rank(s) {evaluated} evaluate, on the whole test set")
-        return Check(name, "unknown", "no evaluation pass seen (a loader iterated without autograd)")
+        return Check(name, "unknown", "no evaluation pass seen (a loader read to its end with no optimizer "
+                                      "step and no backward)")
     last = [passes[r][count - 1] for r in sorted(passes)]
     n = last[0]["dataset_len"]
     total = sum(len(p["indices"]) for p in last)
     union = len(set().union(*(p["indices"] for p in last)))
     if total > union:
-        return Check(name, "wrong", f"{total - union} test sample(s) counted more than once: the ranks' evaluation "
-                                    f"parts overlap (a DistributedSampler pads; shard without padding, section 05)")
+        extra = total - union
+        padded = last[0]["sampler"] == "DistributedSampler" and extra < len(last)
+        why = ("a DistributedSampler pads the test set to a multiple of the ranks" if padded else
+               "the ranks' evaluation parts overlap")
+        fixes = ("shard it without padding, Subset(test_set, range(rank, len(test_set), world_size)) per rank; or "
+                 "DistributedSampler(..., drop_last=True) and the last len(test_set) % world_size samples evaluated "
+                 "on one rank (section 05)" if padded else "give each rank its own part (section 05)")
+        return Check(name, "wrong", f"{extra} test sample(s) counted twice, {total} counted for {union}: {why}, which "
+                                    f"moves an accuracy or any mean over the test set by up to "
+                                    f"{100 * extra / total:.2g} percentage points; {fixes}")
     if n and union < n:
         return Check(name, "wrong", f"{n - union} of {n} test samples never evaluated")
     return Check(name, "ok", f"every one of the {union} test samples is evaluated once")
@@ -140,6 +219,8 @@ def check_eval_sum(ranks) -> Check:
     name = "eval_sum"
     if len(ranks) < 2:
         return Check(name, "unknown", "one rank")
+    if not any(_passes(ev, False) for ev in ranks.values()):
+        return Check(name, "unknown", "no evaluation pass seen")
     for rank, events in sorted(ranks.items()):
         waiting = False
         for e in events:
@@ -152,7 +233,8 @@ def check_eval_sum(ranks) -> Check:
         if waiting:
             return Check(name, "wrong", f"rank {rank} never combines its evaluation sums with the other ranks' "
                                         f"(all_reduce or reduce them; section 05)")
-    return Check(name, "ok", "each evaluation is combined across the ranks")
+    return Check(name, "ok", "each evaluation is combined across the ranks (all_reduce, or reduce to the rank "
+                             "that reports)")
 
 
 def check_writer(ranks) -> Check:

@@ -7,21 +7,32 @@ to DIR/trace-PID.jsonl:
 
     init      init_process_group: backend, world size, rank, torchrun's restart count, the timeout= given, and
               the NCCL_* and GLOO_* variables the process saw
-    loader    a DataLoader starts an epoch: training or evaluation (autograd on or off), the sampler's kind and
-              settings, and every index it will hand out in that pass
+    loader    a DataLoader pass starts (its first batch): the sampler's kind and settings, every index it will hand
+              out in that pass (a sized sampler of a map-style data set; an unsized one's indices come with
+              pass_end), and a first guess of training or evaluation (autograd on or off)
+    pass_end  the pass ends, is left, or the process exits: what it turned out to be ("train" when an optimizer
+              stepped or a backward ran while it handed out batches, "eval" when read to its end without either,
+              "peek" when left early without either, as `next(iter(loader))` does), the batches handed out, the
+              batches fetched by its first optimizer step; for an IterableDataset (single-process loader) a
+              fingerprint of every item it yielded, and of the rest of the stream read for up to 3 seconds after a
+              cut (tools/tracecheck.py reads each loader event with its pass_end)
     set_epoch DistributedSampler.set_epoch(epoch)
     ddp       a DistributedDataParallel wrap: its settings, and the classes of the model's normalisation layers
     no_sync   DistributedDataParallel.no_sync(): a backward that keeps its gradients and all-reduces nothing
-    digest    when an evaluation starts, at destroy_process_group, and when an optimizer is freed: a CRC-32 of
-              the parameters of every optimizer (the trained weights, wrapped in DDP or not) and of the buffers
-              of every DDP module
+    digest    when an evaluation loader starts with autograd off, at destroy_process_group, and when an optimizer is
+              freed: a CRC-32 of the parameters of every optimizer (the trained weights, wrapped in DDP or not) and
+              of the buffers of every DDP module; and ("forward") at the first forward of a DDP model's module in
+              eval mode in each pass: the buffers it evaluates with, after DDP's own pre-forward buffer broadcast
     coll      a collective called from Python (all_reduce, reduce, broadcast, all_gather, ...)
     save      torch.save: the file name
     destroy   destroy_process_group
+    error     an uncaught exception: its last lines
+    exit      the interpreter exits normally (after the script's last line, before the teardown that can abort)
 
-Two switches for the harness, both off unless set: COURSE_TRACE_MAX_BATCHES=N ends every training pass after N
-batches (a short run of a user's script), and COURSE_FAIL_AT=RANK:BATCH makes that rank fail when it fetches
-training batch number BATCH (counted over epochs) on torchrun's first attempt (the elastic restart demo). BATCH
+Two switches for the harness, both off unless set: COURSE_TRACE_MAX_BATCHES=N ends every training pass (one that
+has stepped or run a backward) after N batches (a short run of a user's script), and COURSE_FAIL_AT=RANK:BATCH makes
+that rank fail when it fetches training batch number BATCH (counted over the passes that start with autograd on: the
+course's scripts evaluate under no_grad) on torchrun's first attempt (the elastic restart demo). BATCH
 `mid` is the middle batch of the last epoch (the script's parsed --epochs and --max-steps; epoch 2 when it has no
 --epochs), counted from the batches this process really fetches, so it falls in that epoch whatever the data set
 size, the number of processes and the batch size.
@@ -31,14 +42,18 @@ tools/tracecheck.py reads the records and judges them.
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import json
 import os
+import sys
 import time
+import traceback
 import weakref
 import zlib
 
-_state = {"dir": None, "pid": None, "file": None, "batches": 0, "passes": 0, "args": {}}
+_state = {"dir": None, "pid": None, "file": None, "batches": 0, "passes": 0, "args": {}, "open": set(),
+          "current": None, "newest": None}
 _optimizers: weakref.WeakSet = weakref.WeakSet()
 _ddps: weakref.WeakSet = weakref.WeakSet()
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
@@ -82,8 +97,9 @@ def _crc(tensors) -> str | None:
 def _digest(when: str) -> None:
     params = [p for opt in _optimizers for group in opt.param_groups for p in group["params"]]
     buffers = [b for ddp in _ddps for b in ddp.module.buffers()]
+    sharded = any(hasattr(p, "to_local") for p in params)  # FSDP2: DTensor shards; how many are left plain
     record("digest", when=when, params=_crc(params), buffers=_crc(buffers), optimizers=len(_optimizers),
-           ddp_modules=len(_ddps))
+           ddp_modules=len(_ddps), unsharded=sum(not hasattr(p, "to_local") for p in params) if sharded else None)
 
 
 class _Watched:
@@ -99,42 +115,178 @@ class _Watched:
         return getattr(self._inner, name)
 
     def __iter__(self):
-        return self._epoch()
+        _state["newest"] = _Pass(self._inner, self._loader)
+        return _state["newest"]
 
-    def _epoch(self):
+
+class _Pass:
+    """One pass over a DataLoader (one iterator of it). Its kind is decided by what the loop does while it hands out
+    batches: an optimizer step or a backward makes it training; a pass read to its end without either is an
+    evaluation; one left early without either (a peek at one batch) is no epoch at all. The "loader" event is written
+    at its first batch, the "pass_end" event with the kind when it ends, is left, or the process exits."""
+
+    count = 0
+
+    def __init__(self, inner, loader):
+        _Pass.count += 1
+        self.id, self.inner, self.loader, self.it, self.n, self.work = _Pass.count, inner, loader, None, 0, 0
+        self.ended, self.complete, self.truncated, self.samples, self.drawn, self.train = False, False, False, None, \
+            None, False
+        self.steps, self.first_step_at = 0, None
+        self.feed = None  # an IterableDataset's items as the loader's fetcher reads them (single-process loaders)
+
+    def __iter__(self):
+        return self
+
+    def _start(self):
         import torch
 
-        items = list(self._inner)  # at the first batch, when the loader itself would draw them
-        train = torch.is_grad_enabled()
-        sampler = getattr(self._inner, "sampler", self._inner)
+        sampler = getattr(self.inner, "sampler", self.inner)
         settings = {key: getattr(sampler, key, None) for key in ("num_replicas", "rank", "shuffle", "seed",
                                                                   "epoch", "drop_last")}
-        flat = [int(i) for item in items for i in (item if isinstance(item, (list, tuple)) else [item])]
-        dataset = self._loader.dataset
-        while hasattr(dataset, "indices") and hasattr(dataset, "dataset"):  # a Subset: its indices in the base set
-            flat, dataset = [int(dataset.indices[i]) for i in flat], dataset.dataset
-        if not train:
+        dataset = self.loader.dataset
+        iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        try:  # a sized sampler of a map-style data set is drawn whole, at the first batch, as the loader would
+            items = None if iterable else list(self.inner) if len(self.inner) >= 0 else None
+        except TypeError:  # no length: recorded as it is drawn
+            items = None
+        self.it = iter(items if items is not None else self.inner)
+        flat = None if items is None else [int(i) for item in items
+                                           for i in (item if isinstance(item, (list, tuple)) else [item])]
+        if not iterable:
+            self.drawn = [] if flat is None else None
+        base = _base(dataset)
+        if flat is not None:
+            flat = _in_base(dataset, flat)
+        self.train = torch.is_grad_enabled()  # provisional; the harness's switches below count these passes
+        if not self.train:
             _digest("eval")
-        record("loader", train=train, sampler=type(sampler).__name__, settings=settings, indices=flat,
-               batches=len(items), dataset_len=_len(dataset), loader=id(self._loader),
-               batch_size=getattr(self._loader, "batch_size", None))
-        limit = int(os.environ.get("COURSE_TRACE_MAX_BATCHES", "0") or 0)
+        for other in list(_state["open"]):
+            if other is not self and other.loader is self.loader:
+                other.end()  # the loader's earlier iterator was left: a new pass of it begins
+        _state["open"].add(self)
+        record("loader", train=self.train, sampler=type(sampler).__name__, settings=settings, indices=flat,
+               batches=len(items) if items is not None else None, dataset_len=_len(base), loader=id(self.loader),
+               batch_size=getattr(self.loader, "batch_size", None), iterable=iterable, pass_id=self.id,
+               workers=getattr(self.loader, "num_workers", 0))
+        self.limit = int(os.environ.get("COURSE_TRACE_MAX_BATCHES", "0") or 0)
         fail = os.environ.get("COURSE_FAIL_AT", "") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else ""
-        rank, batch = fail.split(":") if fail else (None, None)
-        if train:
+        self.fail_rank, self.fail = fail.split(":") if fail else (None, None)
+        self.fail_spec = fail
+        if self.train:
             _state["passes"] += 1
-            fetched = min((n for n in (len(items), limit, _state["args"].get("max_steps")) if n), default=0)
-            batch = fail_batch(batch, _state["args"].get("epochs"), _state["batches"], _state["passes"],
-                               fetched) if fail else None
-        for n, item in enumerate(items):
-            if train and limit and n >= limit:
+            fetched = min((n for n in (len(items) if items is not None else 0, self.limit,
+                                       _state["args"].get("max_steps")) if n), default=0)
+            self.fail = fail_batch(self.fail, _state["args"].get("epochs"), _state["batches"], _state["passes"],
+                                   fetched) if fail else None
+
+    def __next__(self):
+        if self.it is None:
+            self._start()
+        if self.limit and self.n >= self.limit and self.work:  # a training pass, cut short from outside
+            self.truncated = True
+            self._drain()
+            self.end()
+            raise StopIteration
+        try:
+            item = next(self.it)
+        except StopIteration:
+            if not isinstance(self.loader.dataset, _iterable_type()):
+                self.complete = True
+            self.end()
+            raise
+        if self.drawn is not None:
+            self.drawn.extend(int(i) for i in (item if isinstance(item, (list, tuple)) else [item]))
+        self.n += 1
+        _state["current"] = self
+        if self.train:
+            _state["batches"] += 1
+            if self.fail is not None and _rank() == int(self.fail_rank) and _state["batches"] == self.fail:
+                raise RuntimeError(f"simulated failure of rank {self.fail_rank} at training batch {self.fail} "
+                                   f"(COURSE_FAIL_AT={self.fail_spec})")
+        return item
+
+    def _drain(self, seconds=3.0):
+        """After a cut: read the rest of an IterableDataset's pass (not trained on) for a few seconds, so that the
+        ranks' whole passes can be compared."""
+        if self.feed is None:
+            return
+        deadline = time.time() + seconds
+        for _ in self.feed:
+            if time.time() > deadline:
                 return
-            if train:
-                _state["batches"] += 1
-                if batch is not None and _rank() == int(rank) and _state["batches"] == batch:
-                    raise RuntimeError(f"simulated failure of rank {rank} at training batch {batch} "
-                                       f"(COURSE_FAIL_AT={fail})")
-            yield item
+
+    def end(self):
+        """Write the pass's kind, once."""
+        if self.ended or self.it is None:
+            return
+        self.ended = True
+        _state["open"].discard(self)
+        kind = "train" if self.work else "eval" if self.complete else "peek"
+        fields = {}
+        if self.drawn is not None:
+            fields["indices"] = _in_base(self.loader.dataset, self.drawn)
+        if self.samples is not None:
+            fields["samples"] = self.samples
+        record("pass_end", pass_id=self.id, kind=kind, fetched=self.n, work=self.work, steps=self.steps,
+               first_step_at=self.first_step_at, complete=self.complete, truncated=self.truncated, **fields)
+
+    def __del__(self):
+        try:
+            self.end()
+        except Exception:  # noqa: BLE001 - at interpreter exit the modules it needs may be gone
+            pass
+
+
+class _Feed:
+    """An IterableDataset's iterator inside a single-process DataLoader: a fingerprint of every item it yields goes
+    to its pass (items are compared across ranks by content: an IterableDataset has no indices)."""
+
+    def __init__(self, inner, owner):
+        self.inner, self.owner = inner, owner
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            item = next(self.inner)
+        except StopIteration:
+            self.owner.complete = True
+            raise
+        self.owner.samples.append(_fingerprint(item))
+        return item
+
+
+def _fingerprint(item) -> str:
+    import torch
+
+    crc = 0
+    for part in (item if isinstance(item, (list, tuple)) else item.values() if isinstance(item, dict) else [item]):
+        if isinstance(part, torch.Tensor):
+            crc = zlib.crc32(part.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+        else:
+            crc = zlib.crc32(repr(part).encode(), crc)
+    return f"{crc:08x}"
+
+
+def _iterable_type():
+    import torch
+
+    return torch.utils.data.IterableDataset
+
+
+def _base(dataset):
+    while hasattr(dataset, "indices") and hasattr(dataset, "dataset"):
+        dataset = dataset.dataset
+    return dataset
+
+
+def _in_base(dataset, flat):
+    """Indices of a Subset (of a Subset ...) as indices of its base data set."""
+    while hasattr(dataset, "indices") and hasattr(dataset, "dataset"):
+        flat, dataset = [int(dataset.indices[i]) for i in flat], dataset.dataset
+    return flat
 
 
 def fail_batch(spec: str, epochs, done: int, this_pass: int, pass_batches: int):
@@ -144,6 +296,37 @@ def fail_batch(spec: str, epochs, done: int, this_pass: int, pass_batches: int):
     if spec != "mid":
         return int(spec)
     return done + pass_batches // 2 + 1 if this_pass == (epochs or 2) else None
+
+
+def _collective(name):
+    """A collective's "before" hook; its own keywords (op=, group=, ...) pass through untouched."""
+    return lambda *_, **__: record("coll", op=name)
+
+
+def _evaluating(module, _inputs):
+    """A DDP model's module runs in eval mode (its BatchNorm layers use their running statistics): the buffers it
+    uses, once per pass, after DDP's pre-forward broadcast of rank 0's buffers when called through the wrapper."""
+    if module.training:
+        return
+    current = _state["current"]
+    key = (id(module), current.id if current is not None else None)
+    if key != _state.get("evaluated"):
+        _state["evaluated"] = key
+        buffers = _crc(module.buffers())
+        if buffers is not None:
+            record("digest", when="forward", params=None, buffers=buffers, optimizers=0, ddp_modules=1)
+
+
+def _exiting():
+    """At interpreter exit: the passes still open end, and the process says it reached its end (a rank that then
+    aborts, in the group's teardown, still finished its work)."""
+    try:
+        for open_pass in list(_state["open"]):
+            open_pass.end()
+        if _state["pid"] == os.getpid():
+            record("exit")
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _len(dataset):
@@ -182,6 +365,31 @@ def install(trace_dir: str) -> None:
 
     index_sampler = DataLoader._index_sampler
     DataLoader._index_sampler = property(lambda self: _Watched(index_sampler.fget(self), self))
+    from torch.utils.data._utils import fetch
+
+    def fetcher_made(_, self, *args, **kwargs):  # made right after its iterator drew its pass (single process)
+        owner = _state["newest"]
+        if owner is not None and owner.feed is None and owner.loader.dataset is self.dataset:
+            owner.samples = []
+            self.dataset_iter = owner.feed = _Feed(self.dataset_iter, owner)
+
+    _wrap(fetch._IterableDatasetFetcher, "__init__", after=fetcher_made)
+
+    def working(*_, **__):  # a backward or an optimizer step: the pass handing out batches is a training pass
+        if _state["current"] is not None:
+            _state["current"].work += 1
+
+    def stepped(*_):
+        current = _state["current"]
+        if current is not None:
+            current.work += 1
+            current.steps += 1
+            current.first_step_at = current.first_step_at or current.n  # batches per step: accumulation
+
+    _wrap(torch.autograd, "backward", before=working)
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(stepped)
     _wrap(DistributedSampler, "set_epoch", before=lambda self, epoch: record("set_epoch", epoch=int(epoch)))
     _wrap(argparse.ArgumentParser, "parse_known_args", after=lambda out, *a, **k: _state["args"].update(
         {key: value for key, value in getattr(out[0], "__dict__", {}).items()
@@ -202,6 +410,7 @@ def install(trace_dir: str) -> None:
         _ddps.add(self)
         record("ddp", broadcast_buffers=self.broadcast_buffers, device_ids=[str(d) for d in self.device_ids or []],
                norms=sorted({type(m).__name__ for m in self.module.modules() if "Norm" in type(m).__name__}))
+        self.module.register_forward_pre_hook(_evaluating)  # after DDP's own pre-forward buffer broadcast
 
     _wrap(DistributedDataParallel, "__init__", after=ddp_made)
     _wrap(DistributedDataParallel, "no_sync", before=lambda self: record("no_sync"))
@@ -224,6 +433,16 @@ def install(trace_dir: str) -> None:
             record("destroy")
 
     _wrap(dist, "destroy_process_group", before=destroying)
+    atexit.register(_exiting)
+    hook = sys.excepthook
+
+    def failed(kind, value, tb):
+        try:
+            record("error", lines=traceback.format_exception(kind, value, tb)[-6:])
+        finally:
+            hook(kind, value, tb)
+
+    sys.excepthook = failed
     for name in COLLECTIVES:
         if hasattr(dist, name):
-            _wrap(dist, name, before=functools.partial(lambda op, *_, **__: record("coll", op=op), name))
+            _wrap(dist, name, before=_collective(name))
