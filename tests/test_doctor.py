@@ -1,9 +1,13 @@
-"""make doctor: the check-up of a user's own DDP script finds what is broken, and only that."""
+"""make doctor: the check-up of a user's own DDP script is right, or says it cannot tell, on scripts written the
+way people write them (tests/doctor_scripts/: a plain loop; Kai Zhang's tutorial style; pytorch/examples' Trainer
+style; an IterableDataset sharded and unsharded; an evaluation without no_grad; a crash; a hang; gradient
+accumulation with no_sync; mp.spawn)."""
 
 import re
 import shutil
 
 import pytest
+import torch
 
 from harness import BARE_ENV, PYTHON, REPO, make, run
 
@@ -15,42 +19,87 @@ def verdicts(text: str) -> dict:
     return {name: verdict for verdict, name in re.findall(r"^  (\w+) +(\w+) ", text, re.M)}
 
 
-def doctor(script, *args, tmp_path, expect_rc, timeout=180, through_make=False, bare=None):
-    """The script copied alone into an empty folder outside the repository, then checked there (by the tool, or
-    as a user does: make doctor SCRIPT=... ARGS=...)."""
+def doctor(script, *args, tmp_path, expect_rc, through_make=False, bare=None):
+    """The script copied alone into an empty folder outside the repository, then checked there (by the tool with 2
+    training batches per epoch, or as a user does: make doctor SCRIPT=... ARGS=...)."""
     folder = tmp_path / "project"
     folder.mkdir(exist_ok=True)
     shutil.copy(SCRIPTS / script, folder)
     if through_make:
         # with an interpreter that has no course install, as on a cluster: make gives the doctor its modules
         res = make("doctor", f"SCRIPT={folder / script}", f"ARGS={' '.join(args)}", f"PY={bare}",
-                   env=BARE_ENV, expect_rc=expect_rc, timeout=timeout)
+                   env=BARE_ENV, expect_rc=expect_rc, timeout=150)
     else:
-        res = run([PYTHON, REPO / "tools/doctor.py", "--timeout", "120", folder / script, *args],
-                  expect_rc=expect_rc, timeout=timeout)
+        res = run([PYTHON, REPO / "tools/doctor.py", "--batches", "2", "--timeout", "90", folder / script, *args],
+                  expect_rc=expect_rc, timeout=150)
     return res, verdicts(res.stdout), sorted(p.name for p in folder.iterdir())
 
 
+# destroy_process_group while the DDP model is still alive: a rank sometimes aborts in the teardown, after its work
+# (advice, not a failure: pytorch/examples' toy torchrun script aborted so in 8 of 40 runs on this course's machines)
+CLEAN = ("ok", "advice")
+ALL_OK = {"shards": "ok", "order": "ok", "ddp": "ok", "eval": "ok", "eval_sum": "ok", "finish": CLEAN}
+CORPUS = {  # id: (script, its arguments, the doctor's exit code, verdicts expected, files the script writes)
+    "plain-loop": ("plain_loop.py", [], 0, ALL_OK, []),
+    # a training pass is told by its optimizer steps, not by autograd being on
+    "eval-without-no-grad": ("plain_loop.py", ["--eval-with-grad"], 0, ALL_OK, []),
+    "crash-in-epoch-2": ("plain_loop.py", ["--crash-in-epoch", "2"], 2, {"finish": "failed", "shards": "ok"}, []),
+    # BatchNorm evaluated through the wrapper, a padding DistributedSampler, two reduces to rank 0, no destroy
+    "kaizhang-tutorial": ("kaizhang_style.py", ["-b", "64", "-e", "2"], 1,
+                          {"shards": "ok", "order": "ok", "ddp": "ok", "buffers": "ok", "eval": "wrong",
+                           "eval_sum": "ok", "finish": "advice"}, []),
+    # a peek at one batch each epoch, before set_epoch; a snapshot written by rank 0
+    "examples-trainer": ("trainer_style.py", ["2", "1"], 0,
+                         {"shards": "ok", "order": "ok", "ddp": "ok", "writer": "ok", "eval": "unknown",
+                          "finish": CLEAN},
+                         ["snapshot.pt"]),
+    "iterable-sharded": ("iterable_stream.py", [], 0, {"shards": "ok", "ddp": "ok"}, []),
+    "iterable-unsharded": ("iterable_stream.py", ["--unsharded"], 1, {"shards": "wrong", "ddp": "ok"}, []),
+    "accumulate-no-sync": ("accumulate.py", [], 0, {"shards": "ok", "order": "ok", "ddp": "ok", "finish": CLEAN}, []),
+    "mp-spawn": ("spawn_style.py", [], 0, {**ALL_OK, "buffers": "ok"}, []),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script, args, rc, expected, files", [
-    ("trainer_style.py", [], 0, {"shards": "ok", "order": "ok", "ddp": "ok", "writer": "ok", "finish": "ok"},
-     ["snapshot.pt"]),
-    ("trainer_style.py", ["--bug", "every-rank-saves"], 1, {"writer": "wrong", "shards": "ok"}, ["snapshot.pt"]),
-    ("kaizhang_style.py", [], 1, {"eval": "wrong", "eval_sum": "ok", "shards": "ok", "order": "ok"}, []),
-    ("kaizhang_style.py", ["--exact"], 0, {"eval": "ok", "eval_sum": "ok", "ddp": "ok"}, []),
-    ("spawn_style.py", [], 0, {"shards": "ok", "ddp": "ok", "buffers": "ok", "eval": "ok", "eval_sum": "ok"}, []),
-    ("spawn_style.py", ["--bug", "no-buffer-broadcast"], 1, {"buffers": "wrong", "ddp": "ok"}, []),
-], ids=["trainer", "trainer-every-rank-saves", "kaizhang-padded-eval", "kaizhang-exact", "spawn",
-        "spawn-no-buffer-broadcast"])
-def test_user_scripts_in_three_styles_get_the_right_verdicts(tmp_path, script, args, rc, expected, files, bare):
-    through_make = args == ["--exact"]  # the README's example: make doctor SCRIPT=... ARGS=--exact
-    res, found, left = doctor(script, *args, tmp_path=tmp_path, expect_rc=rc, through_make=through_make, bare=bare)
-    assert {name: found.get(name) for name in expected} == expected, res.tail()
+@pytest.mark.parametrize("case", list(CORPUS))
+def test_the_corpus_of_user_scripts_gets_its_verdicts(tmp_path, case, bare):
+    script, args, rc, expected, files = CORPUS[case]
+    through_make = case == "kaizhang-tutorial"  # the README's example, through make with a bare interpreter
+    res, found, left = doctor(script, *args, tmp_path=tmp_path, expect_rc=2 if through_make and rc else rc,
+                              through_make=through_make, bare=bare)
+    wrong = {name: found.get(name) for name, want in expected.items() if found.get(name) not in
+             (want if isinstance(want, tuple) else (want,))}
+    assert not wrong, res.tail()
     assert left == sorted([script, *files]), "the doctor writes nothing into the user's folder"
-    if expected.get("eval") == "wrong":
-        assert "1 test sample(s) counted more than once" in res.stdout  # 1001 samples, padded to 1002
-    if through_make:
-        assert "verdict: nothing wrong found" in res.stdout
+    if through_make:  # make exits 2 whenever a recipe fails; its last line carries the doctor's own code
+        assert re.search(rf"\[Makefile:\d+: doctor\] Error {rc}$", res.stderr.strip()), res.tail()
+    if case == "kaizhang-tutorial":
+        assert "1 test sample(s) counted twice, 1002 counted for 1001" in res.stdout  # 1001 samples, padded
+        assert "by up to 0.1 percentage points" in res.stdout and "Subset(" in res.stdout and "drop_last" in res.stdout
+        assert "never called destroy_process_group()" in res.stdout
+        assert "2 epoch(s)" in res.stdout and "verdict: WRONG: eval " in res.stdout
+    if case in ("examples-trainer", "eval-without-no-grad"):
+        assert "2 epoch(s)" in res.stdout, res.tail()  # the peek and the evaluations are no epochs
+    if case == "crash-in-epoch-2":
+        assert "verdict: FAILED: rank 1 failed: ValueError: labels out of range in batch 1 of epoch 2" in res.stdout
+        assert 'raise ValueError(f"labels out of range' in res.stderr  # the failing rank's own last lines
+    if case == "iterable-sharded":
+        assert "the ranks' items are disjoint (800 in a whole pass" in res.stdout
+    if case == "iterable-unsharded":
+        assert "800 item(s) on more than one rank" in res.stdout
+    if case == "accumulate-no-sync":
+        assert "8 samples per batch per rank x 2 batches per step x 2 ranks = 32 per optimizer step" in res.stdout
+    assert res.seconds < 60, "bounded by the script's own work, not by the doctor's limit"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_script_that_needs_cuda_on_a_machine_without_it_gets_one_line(tmp_path):
+    res, _, _ = doctor("plain_loop.py", "--device", "cuda", tmp_path=tmp_path, expect_rc=2)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.tail()
+    assert lines[0].startswith("doctor: error: the script needs CUDA and this machine has none (")
+    assert "torch.cuda.is_available() is False (section 02)" in lines[0] and "Traceback" not in res.output
 
 
 @pytest.mark.slow

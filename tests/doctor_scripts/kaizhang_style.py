@@ -1,61 +1,114 @@
-"""A user's script in the style of Kai Zhang's DDP tutorial: a plain loop, a DistributedSampler on the test set
-too, and the evaluation sums reduced to rank 0.
+"""A user's script as Kai Zhang's DDP tutorial writes it (its ENV mode), run on the CPU with Gloo and made-up
+MNIST-sized images: a BatchNorm ConvNet evaluated through the DDP wrapper, a DistributedSampler on the test set
+too, the two sums reduced to rank 0, and no destroy_process_group.
 
-    torchrun --standalone --nproc-per-node 2 kaizhang_style.py [--exact] [--bug no-reduce]
+    torchrun --standalone --nproc-per-node 2 kaizhang_style.py -b 64 -e 2 [--exact]
 """
+# ruff: noqa: UP008, UP032, B007 - written as the tutorial writes it
 
 import argparse
-import os
+from datetime import datetime
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Subset, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
+import torch.nn as nn
+from torch.utils.data import Subset, TensorDataset
+
+
+class ConvNet(nn.Module):
+    def __init__(self, num_classes=10):
+        super(ConvNet, self).__init__()
+        self.layer1 = nn.Sequential(
+            nn.Conv2d(1, 16, kernel_size=5, stride=1, padding=2),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.MaxPool2d(kernel_size=2, stride=2))
+        self.layer2 = nn.Sequential(
+            nn.Conv2d(16, 32, kernel_size=5, stride=1, padding=2),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.MaxPool2d(kernel_size=2, stride=2))
+        self.fc = nn.Linear(7 * 7 * 32, num_classes)
+
+    def forward(self, x):
+        out = self.layer1(x)
+        out = self.layer2(out)
+        out = out.reshape(out.size(0), -1)
+        out = self.fc(out)
+        return out
+
+
+def fake_mnist(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 10, (n,), generator=g)
+    images = torch.rand(n, 1, 28, 28, generator=g) * 0.5
+    images[torch.arange(n), 0, labels * 2 + 4, 4:24] += 0.5  # a learnable bar per class
+    return TensorDataset(images, labels)
+
+
+def evaluate(model, gpu, test_loader, rank):
+    model.eval()
+    size = torch.tensor(0.)
+    correct = torch.tensor(0.)
+    with torch.no_grad():
+        for i, (images, labels) in enumerate(test_loader):
+            outputs = model(images)
+            size += images.shape[0]
+            correct += (outputs.argmax(1) == labels).type(torch.float).sum()
+    dist.reduce(size, 0, op=dist.ReduceOp.SUM)
+    dist.reduce(correct, 0, op=dist.ReduceOp.SUM)
+    if rank == 0:
+        print('Evaluate accuracy is {:.2f}'.format(correct / size))
+
+
+def train(gpu, args):
+    dist.init_process_group(backend='gloo', init_method='env://')
+    args.rank = dist.get_rank()
+    model = ConvNet()
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), 1e-2)
+    model = nn.parallel.DistributedDataParallel(model)
+    train_dataset = fake_mnist(640, 0)
+    train_sampler = torch.utils.data.distributed.DistributedSampler(train_dataset)
+    train_loader = torch.utils.data.DataLoader(dataset=train_dataset, batch_size=args.batch_size, shuffle=False,
+                                               num_workers=0, pin_memory=False, sampler=train_sampler)
+    test_dataset = fake_mnist(1001, 1)
+    if args.exact:
+        test_dataset = Subset(test_dataset, range(args.rank, len(test_dataset), dist.get_world_size()))
+        test_sampler = None
+    else:
+        test_sampler = torch.utils.data.distributed.DistributedSampler(test_dataset)
+    test_loader = torch.utils.data.DataLoader(dataset=test_dataset, batch_size=args.batch_size, shuffle=False,
+                                              num_workers=0, pin_memory=False, sampler=test_sampler)
+    start = datetime.now()
+    total_step = len(train_loader)
+    for epoch in range(args.epochs):
+        train_loader.sampler.set_epoch(epoch)
+        model.train()
+        for i, (images, labels) in enumerate(train_loader):
+            outputs = model(images)
+            loss = criterion(outputs, labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if (i + 1) % 100 == 0 and args.rank == 0:
+                print('Epoch [{}/{}], Step [{}/{}], Loss: {:.4f}'.format(epoch + 1, args.epochs, i + 1, total_step,
+                                                                         loss.item()))
+        evaluate(model, gpu, test_loader, args.rank)
+    if args.rank == 0:
+        print("Training complete in: " + str(datetime.now() - start))
 
 
 def main():
-    parser = argparse.ArgumentParser(description="A plain-loop DDP script (for the doctor's tests).")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--exact", action="store_true", help="shard the test set without padding")
-    parser.add_argument("--bug", default="", choices=("", "no-reduce"))
+    parser = argparse.ArgumentParser()
+    parser.add_argument('-g', '--gpuid', default=0, type=int, help="which gpu to use")
+    parser.add_argument('-e', '--epochs', default=1, type=int, metavar='N', help='number of total epochs to run')
+    parser.add_argument('-b', '--batch_size', default=4, type=int, metavar='N', help='number of batchsize')
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=0, help='rank of current process')
+    parser.add_argument("--exact", action="store_true", help="the test set split without padding, a Subset per rank")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1601, 16, generator=g)  # 1001 test samples: not divisible by 2 ranks
-    y = (x.sum(1) > 0).long()
-    train_set, test_set = TensorDataset(x[:600], y[:600]), TensorDataset(x[600:], y[600:])
-    sampler = DistributedSampler(train_set, shuffle=True)
-    train_loader = DataLoader(train_set, batch_size=16, sampler=sampler)
-    if args.exact:
-        test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world)), batch_size=100)
-    else:
-        test_loader = DataLoader(test_set, batch_size=100, sampler=DistributedSampler(test_set, shuffle=False))
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Linear(16, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        model.train()
-        for xb, yb in train_loader:
-            optimizer.zero_grad()
-            F.cross_entropy(model(xb), yb).backward()
-            optimizer.step()
-        model.eval()
-        correct = torch.zeros(2)
-        with torch.no_grad():
-            for xb, yb in test_loader:
-                correct += torch.tensor([(model(xb).argmax(1) == yb).sum().item(), len(yb)])
-        if args.bug != "no-reduce":
-            dist.reduce(correct, dst=0)
-        if rank == 0:
-            print(f"epoch {epoch + 1}: accuracy {correct[0] / correct[1]:.4f} over {int(correct[1])} samples")
-    dist.destroy_process_group()
-    if os.environ.get("LOCAL_RANK") == "0":
-        print("done")
+    train(args.local_rank, args)
 
 
-if __name__ == "__main__":
+if __name__ == '__main__':
     main()

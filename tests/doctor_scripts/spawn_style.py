@@ -1,6 +1,6 @@
 """A user's script that starts its processes itself with mp.spawn, with BatchNorm in the model.
 
-    python spawn_style.py [--bug bare-model|no-buffer-broadcast]
+    python spawn_style.py
 """
 
 import argparse
@@ -27,9 +27,7 @@ def worker(rank, world, args):
     test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world)), batch_size=50)
     torch.manual_seed(0)
     nn = torch.nn
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
-    if args.bug != "bare-model":
-        model = DDP(model)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -38,10 +36,9 @@ def worker(rank, world, args):
             optimizer.zero_grad()
             F.cross_entropy(model(xb), yb).backward()
             optimizer.step()
-        net = model.module if isinstance(model, DDP) else model
-        if args.bug != "no-buffer-broadcast":
-            for buffer in net.buffers():
-                dist.broadcast(buffer, src=0)
+        net = model.module
+        for buffer in net.buffers():  # rank 0's BatchNorm statistics for everyone's evaluation
+            dist.broadcast(buffer, src=0)
         net.eval()
         totals = torch.zeros(2)
         with torch.no_grad():
@@ -56,7 +53,6 @@ def worker(rank, world, args):
 def main():
     parser = argparse.ArgumentParser(description="An mp.spawn DDP script (for the doctor's tests).")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--bug", default="", choices=("", "bare-model", "no-buffer-broadcast"))
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

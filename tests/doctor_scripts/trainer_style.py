@@ -1,75 +1,107 @@
-"""A user's script in the style of pytorch/examples' DDP tutorial series: a Trainer class that saves snapshots.
+"""A user's script as pytorch/examples' DDP tutorial series writes its torchrun version, on the CPU with Gloo: a
+Trainer that peeks at one batch each epoch to print the batch size, and saves snapshots it resumes from.
 
-    torchrun --standalone --nproc-per-node 2 trainer_style.py [--bug no-sampler|no-set-epoch|every-rank-saves]
+    torchrun --standalone --nproc-per-node 2 trainer_style.py 2 1 --batch_size 32
 """
 
-import argparse
-import gc
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 
-class Points(Dataset):
-    def __init__(self, n=2000):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 20, generator=g)
-        self.y = (self.x[:, 0] > 0).long()
+class MyTrainDataset(Dataset):
+    def __init__(self, size):
+        self.size = size
+        self.data = [(torch.rand(20), torch.rand(1)) for _ in range(size)]
 
     def __len__(self):
-        return len(self.x)
+        return self.size
 
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
+    def __getitem__(self, index):
+        return self.data[index]
+
+
+def ddp_setup():
+    init_process_group(backend="gloo")
 
 
 class Trainer:
-    def __init__(self, model, loader, optimizer, rank, bug, snapshot):
-        self.model, self.loader, self.optimizer, self.rank, self.bug = DDP(model), loader, optimizer, rank, bug
-        self.snapshot = snapshot
+    def __init__(self, model, train_data, optimizer, save_every, snapshot_path):
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.model = model
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.save_every = save_every
+        self.epochs_run = 0
+        self.snapshot_path = snapshot_path
+        if os.path.exists(snapshot_path):
+            print("Loading snapshot")
+            self._load_snapshot(snapshot_path)
+        self.model = DDP(self.model)
+
+    def _load_snapshot(self, snapshot_path):
+        snapshot = torch.load(snapshot_path, map_location="cpu")
+        self.model.load_state_dict(snapshot["MODEL_STATE"])
+        self.epochs_run = snapshot["EPOCHS_RUN"]
+        print(f"Resuming training from snapshot at Epoch {self.epochs_run}")
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad()
+        output = self.model(source)
+        loss = F.cross_entropy(output, targets)
+        loss.backward()
+        self.optimizer.step()
 
     def _run_epoch(self, epoch):
-        if self.bug != "no-set-epoch" and isinstance(self.loader.sampler, DistributedSampler):
-            self.loader.sampler.set_epoch(epoch)
-        for x, y in self.loader:
-            self.optimizer.zero_grad()
-            F.cross_entropy(self.model(x), y).backward()
-            self.optimizer.step()
+        b_sz = len(next(iter(self.train_data))[0])
+        print(f"[RANK{self.local_rank}] Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.train_data)}")
+        self.train_data.sampler.set_epoch(epoch)
+        for source, targets in self.train_data:
+            self._run_batch(source, targets)
 
-    def train(self, epochs):
-        for epoch in range(epochs):
+    def _save_snapshot(self, epoch):
+        snapshot = {"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch}
+        torch.save(snapshot, self.snapshot_path)
+        print(f"Epoch {epoch} | Training snapshot saved at {self.snapshot_path}")
+
+    def train(self, max_epochs):
+        for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
-            if self.rank == 0 or self.bug == "every-rank-saves":
-                torch.save(self.model.module.state_dict(), self.snapshot)
+            if self.local_rank == 0 and epoch % self.save_every == 0:
+                self._save_snapshot(epoch)
 
 
-def main():
-    parser = argparse.ArgumentParser(description="A Trainer-class DDP script (for the doctor's tests).")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--bug", default="", choices=("", "no-sampler", "no-set-epoch", "every-rank-saves"))
-    parser.add_argument("--snapshot", default="snapshot.pt")
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    train(args)
-    gc.collect()  # the DDP model sits in reference cycles: free it before the group goes (or a rank may abort)
-    dist.destroy_process_group()
+def load_train_objs():
+    train_set = MyTrainDataset(2048)
+    model = torch.nn.Linear(20, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    return train_set, model, optimizer
 
 
-def train(args):
-    torch.manual_seed(0)
-    data = Points()
-    sampler = None if args.bug == "no-sampler" else DistributedSampler(data)
-    loader = DataLoader(data, batch_size=32, shuffle=sampler is None, sampler=sampler)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
-    trainer = Trainer(model, loader, torch.optim.SGD(model.parameters(), lr=0.1), int(os.environ["RANK"]), args.bug,
-                      args.snapshot)
-    trainer.train(args.epochs)
+def prepare_dataloader(dataset, batch_size):
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=False, shuffle=False,
+                      sampler=DistributedSampler(dataset))
+
+
+def main(save_every, total_epochs, batch_size, snapshot_path="snapshot.pt"):
+    ddp_setup()
+    dataset, model, optimizer = load_train_objs()
+    train_data = prepare_dataloader(dataset, batch_size)
+    trainer = Trainer(model, train_data, optimizer, save_every, snapshot_path)
+    trainer.train(total_epochs)
+    destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+    parser = argparse.ArgumentParser(description='simple distributed training job')
+    parser.add_argument('total_epochs', type=int, help='Total epochs to train the model')
+    parser.add_argument('save_every', type=int, help='How often to save a snapshot')
+    parser.add_argument('--batch_size', default=32, type=int, help='Input batch size on each device (default: 32)')
+    args = parser.parse_args()
+    main(args.save_every, args.total_epochs, args.batch_size)
