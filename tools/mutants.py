@@ -41,10 +41,11 @@ SCRIPTS = {  # script: how its ranks start
     "06_amp_syncbn/cifar_resnet.py": "torchrun",
     "07_beyond_ddp/mnist_fsdp2.py": "torchrun",
 }
-# FSDP2 has no DDP wrap to break, and the ddp and buffers checks read DDP modules: a sharded model's ranks hold
-# different shards by design. Its data side (sampler, set_epoch, evaluation) is the chain's and is checked as theirs.
+# FSDP2 has no DDP wrap to break (its break: a root never sharded), and the buffers check reads DDP modules. Its
+# data side (sampler, set_epoch, evaluation) is the chain's and is checked as theirs.
 NOT_FOR = {"07_beyond_ddp/mnist_fsdp2.py": {"bare-model", "no-buffer-broadcast"}}
-CHECKS_FOR = {"07_beyond_ddp/mnist_fsdp2.py": {"shards", "order", "eval", "eval_sum", "writer"}}
+ONLY_FOR = {"root-not-sharded": {"07_beyond_ddp/mnist_fsdp2.py"}}
+CHECKS_FOR = {"07_beyond_ddp/mnist_fsdp2.py": {"shards", "order", "ddp", "eval", "eval_sum", "writer"}}
 # each run: 2 short epochs on a small stand-in (ResNet-18 on a CPU: a few small batches). No --accum-steps for
 # cifar_resnet.py: the bare-model break puts in DataParallel, which has no no_sync()
 ARGS = {"mnist": ["--dataset", "mnist-standin", "--epochs", "2", "--max-steps", "3"],
@@ -66,12 +67,14 @@ MUTANTS = {  # name: (what it breaks, the original code, the mutated code, the c
                        "range(rank, len(test_set), world_size)", "range(0, len(test_set), world_size)", "eval"),
     "no-buffer-broadcast": ("every rank evaluates with its own BatchNorm statistics",
                             "            dist.broadcast(buffer, src=0)", "            pass", "buffers"),
+    "root-not-sharded": ("the root's own parameters (fc) stay whole on each rank and train there alone",
+                         "    fully_shard(model, mesh=mesh, mp_policy=policy)", "    pass", "ddp"),
 }
 
 
 def mutations(rel: str) -> list[str]:
-    """The mutations that apply to the script `rel` (every one, except those NOT_FOR it)."""
-    return [name for name in MUTANTS if name not in NOT_FOR.get(rel, set())]
+    """The mutations that apply to the script `rel`: every one, except those NOT_FOR it and those ONLY_FOR others."""
+    return [name for name in MUTANTS if name not in NOT_FOR.get(rel, set()) and rel in ONLY_FOR.get(name, {rel})]
 
 
 def mutate(source: str, name: str) -> str:
