@@ -87,6 +87,17 @@ def in_mib(biggest: dict) -> dict:
                   for ws, row in by_ws.items()} for key, by_ws in biggest.items()}
 
 
+def plot(path, mib: dict):
+    """One bar per (model, method, world size): the largest rank's memory as a fraction of DDP's at world size 1."""
+    labels = [f"{key.replace('/', ' ')} N={ws}" for key, by_ws in mib.items() for ws in by_ws]
+    ratios = [row["vs_ddp"] for by_ws in mib.values() for row in by_ws.values()]
+    colors = [{"ddp": "tab:gray", "zero": "tab:orange", "fsdp2": "tab:blue"}[key.split("/")[1]]
+              for key, by_ws in mib.items() for _ in by_ws]
+    return benchlib.bar_plot(path, labels, [{"median": r, "min": r, "max": r} for r in ratios],
+                             "memory per rank / DDP's", "Weights + gradients + Adam state per rank: DDP (gray), "
+                             "ZeRO (orange), FSDP2 (blue)", colors=colors)
+
+
 def worker(rank: int, world_size: int, port: int, models: list[str], queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -131,13 +142,7 @@ def main() -> None:
                "optimizer": "Adam", "unit": "bytes", "per_rank": per_rank, "max_over_ranks": biggest, "mib": mib}
     out = Path(args.output_dir)
     paths = benchlib.write_results(out, name, payload, md)
-    labels = [f"{key.replace('/', ' ')} N={ws}" for key, by_ws in biggest.items() for ws in by_ws]
-    totals = [row["total"] / MiB for by_ws in biggest.values() for row in by_ws.values()]
-    colors = [{"ddp": "tab:gray", "zero": "tab:orange", "fsdp2": "tab:blue"}[key.split("/")[1]]
-              for key, by_ws in biggest.items() for _ in by_ws]
-    png = benchlib.bar_plot(out / f"{name}.png", labels, [{"median": t, "min": t, "max": t} for t in totals],
-                            "MiB per rank (parameters + gradients + Adam state)",
-                            "Memory per rank: DDP (gray), ZeRO (orange), FSDP2 (blue)", colors=colors)
+    png = plot(out / f"{name}.png", mib)
     print("\n".join(md))
     print("wrote", *paths, *([png] if png else []))
 
