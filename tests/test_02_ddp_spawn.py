@@ -9,7 +9,7 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 import common
-from harness import BARE_ENV, PYTHON, REPO, TEST_IMAGES, check_trace, make, python, run, traced
+from harness import BARE_ENV, PYTHON, REPO, TEST_IMAGES, TORCHRUN, check_trace, make, python, run, traced
 from tools import course
 
 # ------------------------------------------------------------------ DistributedSampler, in-process
@@ -173,7 +173,8 @@ def test_resume_on_a_gpu(copied, data_dir):
 def timeline_module():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("ddp_timeline", REPO / "02_ddp_spawn/ddp_timeline.py")
+    # ddp_timeline.py's numbers and pictures: the overlap figures and the lane it adds to each trace
+    spec = importlib.util.spec_from_file_location("timeline_report", REPO / "02_ddp_spawn/timeline_report.py")
     timeline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(timeline)
     return timeline
@@ -275,3 +276,41 @@ def test_timeline_on_gpus_reports_step_times_and_places_its_lane_on_the_host(tmp
         assert lane and {e["pid"] for e in lane} == {host["pid"]}
         first = min(e["ts"] for e in lane if e["name"].endswith("(step 0)"))
         assert host["ts"] - 1_000 <= first <= host["ts"] + host["dur"]  # within the host's step 0, microseconds
+
+
+BLOG_LOOP = """
+import datetime, torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(10, 10), nn.BatchNorm1d(10), nn.Linear(10, 1)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(3):
+    model.train()
+    for _ in range(3):
+        loss = model(torch.randn(8, 10)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    if rank == 0:  # the blog's evaluation: rank 0 alone, through the DDP model
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(8, 10))
+        print("rank 0 evaluated after epoch", epoch, flush=True)
+print(f"rank {rank} finished training", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_evaluating_on_rank_0_alone_through_ddp_pairs_with_the_next_epoch_then_fails(tmp_path):
+    """While training goes on, rank 0's buffer broadcast pairs with the other rank's next training forward; after
+    the last epoch the other rank has left, and rank 0's evaluation fails."""
+    script = tmp_path / "blog_loop.py"
+    script.write_text(BLOG_LOOP)
+    res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", script], timeout=120, expect_rc=1)
+    evaluated = re.findall(r"^rank 0 evaluated after epoch (\d)$", res.stdout, re.M)
+    assert evaluated == ["0", "1"] and "rank 1 finished training" in res.stdout, res.tail()
+    assert "rank 0 finished training" not in res.stdout
