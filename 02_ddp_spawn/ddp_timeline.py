@@ -12,10 +12,10 @@ gradient is computed, so backward's compute ends with the last one. Three varian
     one-bucket  bucket_cap_mb=10000: one bucket, ready only when the last gradient is, so nothing overlaps
     no-sync     4 micro-batches, the first 3 inside model.no_sync(): no communication until the last backward
 
-Written to --output-dir (default runs/timeline): timeline_<model>.png (per rank a compute lane and an all-reduce
-lane, the variants side by side, the share of all-reduce time hidden under backward in each title),
-timeline.json/.md (the numbers), and traces/<model>_<variant>_rank<r>.json, the profiler's Chrome trace with the
-hook's buckets added as their own lane (open it in https://ui.perfetto.dev or chrome://tracing).
+Written to --output-dir (default runs/timeline) by timeline_report.py, which turns the times into numbers and
+pictures: timeline.json/.md (medians over steps and ranks), timeline_<model>.png (per rank a compute lane and an
+all-reduce lane, the variants side by side), and traces/<model>_<variant>_rank<r>.json, the profiler's Chrome trace
+with the hook's times added as their own lane (open it in https://ui.perfetto.dev or chrome://tracing).
 
 All times are taken on the host. On the CPU that is when the work ran; on CUDA it is only when the work was
 queued (an NCCL all-reduce counts as done once it is queued on its stream), so there the script reports the step
@@ -24,10 +24,10 @@ GPU lanes show the kernels, the NCCL ones on their own stream. A small model suc
 bucket: there is nothing to overlap, and its default and one-bucket timelines look alike.
 """
 
+import argparse
 import contextlib
-import json
+import gc
 import os
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -42,12 +42,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import common
-import workarounds
-from tools import course
+import timeline_report  # the numbers and pictures (this script's folder is on the path)
 
 VARIANTS = {"default": {}, "one-bucket": {"bucket_cap_mb": 10_000}, "no-sync": {}}
 MICRO_BATCHES = 4  # no-sync: micro-batches per optimizer step
-LANE = 10_000_000  # the trace's thread id of the added lane
 
 
 class Clock:
@@ -125,7 +123,7 @@ def measure(model_name, variant, args, device, rank, trace_path):
                 _sync(device)
             steps.append({"phases": clock.phases, "buckets": sorted(clock.buckets, key=lambda b: b[1])})
     prof.export_chrome_trace(str(trace_path))
-    add_lane(trace_path, steps, marks)
+    timeline_report.add_lane(trace_path, steps, marks)  # the hook's times, on the profiler's clock
     return steps
 
 
@@ -134,63 +132,10 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def add_lane(trace_path, steps, marks):
-    """Put the hook's buckets and the compute phases into the profiler's trace, on the profiler's clock."""
-    trace = json.loads(Path(trace_path).read_text())
-    events = trace["traceEvents"]
-    starts = step_marks(events)
-    pid = starts["timeline step 0"]["pid"]
-    added = [{"ph": "M", "name": "thread_name", "pid": pid, "tid": LANE,
-              "args": {"name": "DDP timeline (compute phases, all-reduced buckets)"}}]
-    for i, (step, mark) in enumerate(zip(steps, marks, strict=True)):
-        offset = starts[f"timeline step {i}"]["ts"] - mark * 1e6  # profiler microseconds - our seconds
-        for name, start, end, *compute_end in step["phases"]:
-            added.append(_event(f"{name} (step {i})", start, end, offset, pid, "compute"))
-            if compute_end:
-                added.append(_event(f"backward compute (step {i})", start, compute_end[0], offset, pid, "compute"))
-        for index, start, end, nbytes in step["buckets"]:
-            added.append(_event(f"all-reduce bucket {index} (step {i})", start, end, offset, pid, "allreduce",
-                                bytes=nbytes))
-    trace["traceEvents"] = events + added
-    course.atomic_write_bytes(json.dumps(trace).encode(), trace_path)
-
-
-def step_marks(events) -> dict:
-    """The "timeline step N" ranges as the host recorded them, by name. On CUDA the profiler also writes a GPU-side
-    copy of every record_function range (category gpu_user_annotation, on the GPU's own lane and clock); our
-    marks are host times, so only the CPU-side one (user_annotation) gives the offset."""
-    return {e["name"]: e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-            and e.get("name", "").startswith("timeline step ")}
-
-
-def _event(name, start, end, offset, pid, cat, **extra):
-    return {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": LANE, "ts": start * 1e6 + offset,
-            "dur": (end - start) * 1e6, "args": extra}
-
-
-def summarize(steps):
-    """Per step: total all-reduce time, the part of it hidden under backward's compute, what backward waited."""
-    rows = []
-    for step in steps:
-        backward = [p for p in step["phases"] if p[0] == "backward"][-1]  # the one that communicates
-        _, b_start, b_end, compute_end = backward
-        comm = sum(end - start for _, start, end, _ in step["buckets"])
-        hidden = sum(max(0.0, min(end, compute_end) - max(start, b_start)) for _, start, end, _ in step["buckets"])
-        rows.append({"step_s": step["phases"][-1][2] - step["phases"][0][1], "allreduce_s": comm,
-                     "hidden_share": hidden / comm if comm else 0.0, "backward_wait_s": b_end - compute_end,
-                     "buckets": len(step["buckets"]),
-                     "first_start_before_compute_end": bool(step["buckets"])
-                     and step["buckets"][0][1] < compute_end})
-    return rows
-
-
 def worker(rank, world_size, args):
-    workarounds.stop_with_launcher()  # workaround: a killed launcher takes this worker with it
-    device, backend = course.choose_device(args.device, args.backend, local_rank=rank, procs_per_node=world_size)
+    device, backend = common.device_and_backend(args.device, args.backend, rank, world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        course.share_cpu_threads(world_size)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     try:
@@ -200,145 +145,52 @@ def worker(rank, world_size, args):
                 trace = Path(args.trace_dir) / f"{model_name}_{variant}_rank{rank}.json"
                 steps = measure(model_name, variant, args, device, rank, trace)
                 every = [None] * world_size
-                dist.all_gather_object(every, steps)  # rank 0 draws every rank's lanes
-                results[(model_name, variant)] = every
-                course.print0(rank, f"{model_name:8s} {variant:10s} " + describe(every, device.type))
+                dist.all_gather_object(every, steps)  # rank 0 reports every rank's steps
+                results[f"{model_name}/{variant}"] = every
+                if rank == 0:
+                    print(f"{model_name:8s} {variant:10s} " + timeline_report.describe(every, device.type), flush=True)
         if rank == 0:
-            report(args, results, device, backend, world_size)
+            config = {"world_size": world_size, "device": device.type, "backend": backend, "torch": torch.__version__,
+                      "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
+                      "micro_batches_no_sync": MICRO_BATCHES}
+            timeline_report.write(Path(args.output_dir), config, results)
         dist.barrier()
     finally:
-        workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
+        gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         dist.destroy_process_group()
 
 
-HOST_ONLY = ("allreduce_s", "hidden_share", "backward_wait_s", "first_start_before_compute_end_every_step")
-
-
-def medians(every, device_type: str = "cpu") -> dict:
-    """Medians over every rank's steps. On CUDA the host saw only when work was queued: the figures that need
-    when an all-reduce ran (HOST_ONLY) are None there, not measured."""
-    rows = [r for steps in every for r in summarize(steps)]
-    med = {k: statistics.median(r[k] for r in rows) for k in ("step_s", "allreduce_s", "hidden_share",
-                                                               "backward_wait_s")}
-    med["buckets"] = rows[0]["buckets"]
-    med["first_start_before_compute_end_every_step"] = all(r["first_start_before_compute_end"] for r in rows)
-    if device_type == "cuda":
-        med.update(dict.fromkeys(HOST_ONLY))
-    return med
-
-
-def describe(every, device_type: str = "cpu"):
-    med = medians(every, device_type)
-    if med["hidden_share"] is None:
-        return (f"step {med['step_s'] * 1e3:7.1f} ms, {med['buckets']} bucket(s); all-reduce time and overlap not "
-                f"measured on CUDA (the host sees when work is queued, not when it runs: read the trace's GPU lanes)")
-    return (f"step {med['step_s'] * 1e3:7.1f} ms, {med['buckets']} bucket(s), all-reduce "
-            f"{med['allreduce_s'] * 1e3:6.1f} ms of which {med['hidden_share']:4.0%} hidden under backward, "
-            f"backward waited {med['backward_wait_s'] * 1e3:5.1f} ms after compute")
-
-
-def report(args, results, device, backend, world_size):
-    out = Path(args.output_dir)  # main made it before the workers started
-    summary = {"config": {"world_size": world_size, "device": device.type, "backend": backend,
-                          "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
-                          "micro_batches_no_sync": MICRO_BATCHES, "torch": torch.__version__},
-               "results": {}}
-    lines = [f"# DDP timeline: {world_size} processes, {device.type}, {backend}", "",
-             f"Median over {args.steps} profiled steps x {world_size} ranks, batch {args.batch_size} per rank.", "",
-             "| model | variant | buckets | step ms | all-reduce ms | hidden under backward | backward waited ms |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for (model_name, variant), every in results.items():
-        med = summary["results"][f"{model_name}/{variant}"] = medians(every, device.type)
-        timed = [f"{med['allreduce_s'] * 1e3:.1f}", f"{med['hidden_share']:.0%}", f"{med['backward_wait_s'] * 1e3:.1f}"
-                 ] if med["hidden_share"] is not None else ["not measured on CUDA"] * 3
-        lines.append(f"| {model_name} | {variant} | {med['buckets']} | {med['step_s'] * 1e3:.1f} | " + " | ".join(timed)
-                     + " |")
-    course.atomic_write_bytes(json.dumps(summary, indent=1).encode(), out / "timeline.json")
-    course.atomic_write_bytes(("\n".join(lines) + "\n").encode(), out / "timeline.md")
-    pngs = [draw(out, model_name, results, summary) for model_name in args.models]
-    course.say("\n".join(lines))
-    course.say(f"written: {out / 'timeline.json'}, {out / 'timeline.md'}, {', '.join(map(str, filter(None, pngs)))}; "
-               f"traces in {args.trace_dir}/")
-
-
-def draw(out, model_name, results, summary):
-    try:
-        import matplotlib
-    except ImportError:
-        course.say("matplotlib is not installed: no picture (the numbers are in timeline.json)")
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"forward": "#9ecae1", "backward": "#3182bd", "backward waits": "#bdbdbd", "optimizer": "#a1d99b",
-              "all-reduce": "#e6550d"}
-    fig, axes = plt.subplots(1, len(VARIANTS), figsize=(6 * len(VARIANTS), 1.6 + 0.9 * len(results[
-        (model_name, "default")])), squeeze=False)
-    for ax, variant in zip(axes[0], VARIANTS, strict=True):
-        every = results[(model_name, variant)]
-        origin = min(steps[-1]["phases"][0][1] for steps in every)  # the last profiled step, on every rank
-        for rank, steps in enumerate(every):
-            step = steps[-1]
-            y = 2 * (len(every) - 1 - rank)
-            for name, start, end, *compute_end in step["phases"]:
-                parts = [(name, start, end)] if not compute_end else \
-                    [(name, start, compute_end[0]), ("backward waits", compute_end[0], end)]  # for the all-reduce
-                for part, a, b in parts:
-                    ax.barh(y + 1, (b - a) * 1e3, left=(a - origin) * 1e3, height=0.8, color=colors[part],
-                            edgecolor="white", linewidth=0.5)
-            for _, start, end, _ in step["buckets"]:
-                ax.barh(y, (end - start) * 1e3, left=(start - origin) * 1e3, height=0.8, color=colors["all-reduce"],
-                        edgecolor="black", linewidth=0.5)
-        ax.set_yticks([v for r in range(len(every)) for v in (2 * r, 2 * r + 1)])
-        ax.set_yticklabels([lab for r in reversed(range(len(every))) for lab in
-                            (f"rank {r} all-reduce", f"rank {r} compute")], fontsize=8)
-        med = summary["results"][f"{model_name}/{variant}"]
-        ax.set_title(f"{variant}: {med['buckets']} bucket(s), " + (
-            f"{med['hidden_share']:.0%} of all-reduce hidden" if med["hidden_share"] is not None
-            else "times the host queued the work (CUDA), not when it ran"), fontsize=10)
-        ax.set_xlabel("ms since the step began (last profiled step)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, list(colors), loc="upper right", ncol=len(colors), fontsize=8)
-    fig.suptitle(f"DDP {model_name}: backward and the gradient all-reduce, per rank", x=0.25)
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
-    path = out / f"timeline_{model_name}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def main():
-    parser = course.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=course.positive_int, default=2, help="processes to start")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2, help="processes to start")
     parser.add_argument("--models", default="resnet18,convnet", help="comma-separated: resnet18, convnet")
-    parser.add_argument("--batch-size", type=course.positive_int, default=16, help="per rank (and micro-batch)")
-    parser.add_argument("--steps", type=course.positive_int, default=3, help="profiled steps per variant")
-    parser.add_argument("--warmup", type=course.positive_int, default=2, help="steps before profiling")
+    parser.add_argument("--batch-size", type=int, default=16, help="per rank (and micro-batch)")
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="steps before profiling (DDP rebuilds its buckets)")
     parser.add_argument("--output-dir", default="runs/timeline")
     parser.add_argument("--trace-dir", help="where the Chrome traces go (default: OUTPUT_DIR/traces)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    parser.add_argument("--timeout", type=course.positive_float, default=120.0, help="collective timeout, seconds")
+    parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
     args = parser.parse_args()
     args.models = [m for m in args.models.split(",") if m]
     if not args.models or set(args.models) - {"resnet18", "convnet"}:
         parser.error(f"--models: choose from resnet18, convnet (got {','.join(args.models) or 'none'})")
     if args.nproc < 2:
         parser.error("--nproc must be at least 2: one process has nothing to all-reduce with")
+    if min(args.batch_size, args.steps, args.warmup) < 1:
+        parser.error("--batch-size, --steps and --warmup must be at least 1")
     args.trace_dir = args.trace_dir or str(Path(args.output_dir) / "traces")
-    try:
-        for folder in (args.output_dir, args.trace_dir):
-            Path(folder).mkdir(parents=True, exist_ok=True)
-        course.choose_device(args.device, args.backend, procs_per_node=args.nproc)  # one-line errors, here
-    except (OSError, course.UsageError) as err:
-        parser.error(str(err))
+    for folder in (args.output_dir, args.trace_dir):
+        Path(folder).mkdir(parents=True, exist_ok=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(common.free_port())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N processes x all cores would fight
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own status lines (USDT: profiler_start, ...)
     try:
         mp.spawn(worker, args=(args.nproc, args), nprocs=args.nproc, join=True)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-        sys.exit(f"ddp_timeline: a worker failed, all stopped.\n{course.worker_error(err)}")
+        sys.exit(f"ddp_timeline: a worker failed, all stopped.\n{err}")
 
 
 if __name__ == "__main__":
