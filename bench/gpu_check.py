@@ -197,6 +197,17 @@ def plan(gpus: int, is_root: bool = True, bench_out: str = "runs/gpu_check") -> 
         Step("grad-accum", make("grad-accum", NPROC=2), timeout=60, typical=15, note="CPU by design (arithmetic)"),
         Step("cifar-resnet", make("cifar-resnet", NPROC=nproc, ARGS=share), timeout=180, typical=50, expect=final,
              note=shared_note),
+        # FSDP2 on CUDA shards over NCCL with bf16 compute; processes sharing one GPU would need Gloo's CUDA
+        # all-gather and reduce-scatter, so one GPU runs one process
+        Step("fsdp", make("fsdp", NPROC=gpus, EPOCHS=1, ARGS=short), timeout=120, typical=25,
+             expect=rf"(?m)^final: .*world_size={gpus}\b", note="" if many else "one GPU: one process (NCCL, bf16)"),
+        Step("zero", make("zero", NPROC=nproc, EPOCHS=1, ARGS=" ".join(filter(None, (short, share)))), timeout=120,
+             typical=20, expect=final, note=shared_note),
+        # the first step compiles (Triton kernels on a GPU): a minute at most for the ConvNet
+        Step("compile", make("compile", NPROC=nproc, EPOCHS=1, ARGS=" ".join(filter(None, (short, share)))),
+             timeout=300, typical=60, expect=final, note=shared_note),
+        Step("uneven", make("uneven", NPROC=2), timeout=90, typical=20,
+             note="Gloo on the CPU by design (the timeout is Gloo's)"),
     ]
     rounds = "--rounds 3"  # 3 rounds, not 5: the figures' spread still shows, and the part fits its time
     bench = [
@@ -210,6 +221,8 @@ def plan(gpus: int, is_root: bool = True, bench_out: str = "runs/gpu_check") -> 
         Step("bench-buckets", make("bench-buckets", NPROC=gpus, BENCH_OUT=bench_out, ARGS=rounds), timeout=240,
              typical=70),
         Step("bench-hooks", make("bench-hooks", NPROC=gpus, BENCH_OUT=bench_out), timeout=240, typical=90),
+        Step("bench-memory", make("bench-memory", BENCH_OUT=bench_out), timeout=180, typical=30,
+             note="the CPU by design: bytes are counted, not timed"),
     ]
     for step in bench:
         step.group = "bench"
