@@ -1,7 +1,7 @@
 """make doctor: the check-up of a user's own DDP script is right, or says it cannot tell, on scripts written the
 way people write them (tests/doctor_scripts/: a plain loop; Kai Zhang's tutorial style; pytorch/examples' Trainer
 style; an IterableDataset sharded and unsharded; an evaluation without no_grad; a crash; a hang; gradient
-accumulation with no_sync; mp.spawn)."""
+accumulation with no_sync; mp.spawn; FSDP2)."""
 
 import re
 import shutil
@@ -57,6 +57,7 @@ CORPUS = {  # id: (script, its arguments, the doctor's exit code, verdicts expec
     "iterable-unsharded": ("iterable_stream.py", ["--unsharded"], 1, {"shards": "wrong", "ddp": "ok"}, []),
     "accumulate-no-sync": ("accumulate.py", [], 0, {"shards": "ok", "order": "ok", "ddp": "ok", "finish": CLEAN}, []),
     "mp-spawn": ("spawn_style.py", [], 0, {**ALL_OK, "buffers": "ok"}, []),
+    "fsdp2": ("fsdp2_style.py", [], 0, ALL_OK, []),  # sharded parameters are no drifted replicas
 }
 
 
