@@ -52,7 +52,7 @@ import traceback
 import weakref
 import zlib
 
-_state = {"dir": None, "pid": None, "file": None, "batches": 0, "passes": 0, "args": {}, "open": set(),
+_state = {"dir": None, "pid": None, "file": None, "batches": 0, "passes": 0, "args": {}, "open": weakref.WeakSet(),
           "current": None, "newest": None}
 _optimizers: weakref.WeakSet = weakref.WeakSet()
 _ddps: weakref.WeakSet = weakref.WeakSet()
