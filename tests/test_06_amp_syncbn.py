@@ -7,7 +7,7 @@ import torch
 
 import common
 from harness import PYTHON, REPO, TEST_IMAGES, TORCHRUN, check_trace, make, run, traced
-from tools import course, tracecheck
+from tools import tracecheck
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
 
@@ -86,8 +86,8 @@ def test_two_ranks_of_b_equal_one_process_of_2b_through_the_real_scripts(data_di
     run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
          *common_args, "--batch-size", "32", "--amp", "off", "--sync-bn", "--device", "cpu",
          "--checkpoint-dir", tmp_path / "two"], timeout=180)
-    one = course.load_checkpoint(tmp_path / "one" / "mnist_single.pt")["model"]
-    two = course.load_checkpoint(tmp_path / "two" / "mnist_amp_syncbn.pt")["model"]
+    one = torch.load(tmp_path / "one" / "mnist_single.pt", weights_only=True)["model"]
+    two = torch.load(tmp_path / "two" / "mnist_amp_syncbn.pt", weights_only=True)["model"]
     common.seed_everything(0)  # the scripts' default seed: the weights both started from
     start = common.ConvNet().state_dict()
     assert (one["fc.weight"] - start["fc.weight"]).abs().max() > 1e-4, "the step must have changed the weights"

@@ -14,11 +14,10 @@ import textwrap
 
 import pytest
 import torch
-from torch.utils.data.distributed import DistributedSampler
 
 import common
-from harness import PYTHON, REPO
-from tools import course, data, standins
+from harness import PYTHON, REPO, run
+from tools import course, data, standins, util
 
 # ------------------------------------------------------------------ stand-ins through torchvision's own classes
 
@@ -355,7 +354,7 @@ def test_free_port_is_bindable():
 
 
 def test_atomic_save_round_trip(tmp_path):
-    path = course.atomic_save({"w": torch.arange(3), "epoch": 2}, tmp_path / "sub" / "ck.pt")
+    path = util._atomic_write(tmp_path / "sub" / "ck.pt", lambda f: torch.save({"w": torch.arange(3), "epoch": 2}, f))
     loaded = torch.load(path, weights_only=True)
     assert loaded["epoch"] == 2 and torch.equal(loaded["w"], torch.arange(3))
     assert [p.name for p in path.parent.iterdir()] == ["ck.pt"], "no temp file may stay behind"
@@ -363,13 +362,13 @@ def test_atomic_save_round_trip(tmp_path):
 
 _KILLED_WRITER = textwrap.dedent("""
     import sys, time, torch
-    from tools import course
+    from tools import util
     path, mode = sys.argv[1], sys.argv[2]
     def slow(f):
         f.write(b"PK" + b"x" * 100000); f.flush()
         print("writing", flush=True); time.sleep(60)
     if mode == "atomic":
-        course._atomic_write(path, slow)
+        util._atomic_write(path, slow)
     else:
         with open(path, "wb") as f:
             slow(f)
@@ -380,7 +379,7 @@ _KILLED_WRITER = textwrap.dedent("""
 def test_kill_mid_write(tmp_path, mode):
     """A save killed half-way: the atomic one keeps the previous checkpoint, a plain write destroys it."""
     path = tmp_path / "ck.pt"
-    course.atomic_save({"epoch": 1}, path)
+    torch.save({"epoch": 1}, path)
     proc = subprocess.Popen([PYTHON, "-c", _KILLED_WRITER, str(path), mode], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -395,48 +394,31 @@ def test_kill_mid_write(tmp_path, mode):
             torch.load(path, weights_only=True)
 
 
-def test_rng_state_round_trip_and_weights_only(tmp_path):
-    common.seed_everything(5)
-    course.atomic_save(course.rng_state(), tmp_path / "rng.pt")
-    expected = torch.rand(3)
-    torch.rand(10)
-    course.set_rng_state(course.load_checkpoint(tmp_path / "rng.pt"))
-    assert torch.equal(torch.rand(3), expected)
-
-
 def test_a_checkpoint_written_on_a_gpu_resumes_on_a_cpu(tmp_path, monkeypatch):
-    """A file whose tensors say "cuda:0" (as one saved by a GPU run does) loads and restores here.
-
-    torch.save records each tensor's device; a plain torch.load puts it back there, and a GPU checkpoint
-    loaded with map_location=<a GPU> puts the RNG state on the GPU, which torch.set_rng_state refuses.
-    load_checkpoint maps everything to the CPU, and set_rng_state moves states to the CPU itself.
-    """
+    """A file whose tensors say "cuda:0" (as one saved by a GPU run does) loads and restores here, loaded as the
+    scripts load it: torch.load(path, map_location=<this rank's device>, weights_only=True). A plain torch.load puts
+    every tensor back where it was saved, which fails where there is no CUDA."""
     import torch.serialization as ser
 
     model = common.ConvNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(4, 1, 28, 28)).sum().backward()
     optimizer.step()
-    common.seed_everything(3)
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": course.rng_state()}
-    expected = torch.rand(3)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 1}
     registry = list(ser._package_registry)
     monkeypatch.setattr(ser, "_package_registry", [(0, lambda storage: "cuda:0", lambda s, loc: None)] + registry)
-    course.atomic_save(state, tmp_path / "gpu.pt")  # every storage tagged as living on cuda:0
+    torch.save(state, tmp_path / "gpu.pt")  # every storage tagged as living on cuda:0
     monkeypatch.setattr(ser, "_package_registry", registry)
     if not torch.cuda.is_available():  # where CUDA is there, the naive load puts the tensors back on cuda:0
         with pytest.raises(RuntimeError, match="CUDA"):
             torch.load(tmp_path / "gpu.pt", weights_only=True)  # the naive load wants the GPU back
-
-    loaded = course.load_checkpoint(tmp_path / "gpu.pt")
+    loaded = torch.load(tmp_path / "gpu.pt", map_location=torch.device("cpu"), weights_only=True)
     fresh = common.ConvNet()
     fresh.load_state_dict(loaded["model"])
     fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
     fresh_optimizer.load_state_dict(loaded["optimizer"])
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
-    torch.rand(5)
-    course.set_rng_state(loaded["rng"])
-    assert torch.equal(torch.rand(3), expected)
+    assert "map_location=device, weights_only=True" in (REPO / "03_ddp_torchrun/mnist_torchrun.py").read_text()
 
 
 # ------------------------------------------------------------------ models, loaders, evaluation
@@ -496,32 +478,6 @@ def test_final_line_format_and_parsing():
     assert parsed[0] == {"test_acc": 0.9871, "test_samples": 10000, "world_size": 2, "epochs": 2, "seconds": 12.4,
                          "dataset": "mnist", "weights": "0001e100", "ranks_agree": "True", "restarts": 1}
     assert parsed[1] == {"test_acc": 0.5}
-    assert course.line("step", epoch=1, step=25, loss=0.123456) == "step: epoch=1 step=25 loss=0.1235"
-
-
-def test_weights_digest_sees_every_byte_of_parameters_and_buffers():
-    a, b = common.ConvNet(), common.ConvNet()
-    b.load_state_dict(a.state_dict())
-    assert course.weights_digest(a) == course.weights_digest(b)
-    with torch.no_grad():
-        b.fc.bias[3] = torch.nextafter(b.fc.bias[3], torch.tensor(1.0))  # the smallest possible change
-    assert course.weights_digest(a) != course.weights_digest(b)
-    b.load_state_dict(a.state_dict())
-    b.layer1[1].running_mean += 1e-7  # a BatchNorm buffer, not a parameter
-    assert course.weights_digest(a) != course.weights_digest(b)
-
-
-def test_shard_line_sums_and_orders_without_moving_the_sampler():
-    data = list(range(10))
-    shards = [course.parse_lines(course.shard_line(r, 0, DistributedSampler(data, 2, r, seed=3)), "shard")[0]
-              for r in range(2)]
-    assert sum(s["samples"] for s in shards) == 10 and sum(s["sum"] for s in shards) == 45
-    assert sum(s["sumsq"] for s in shards) == sum(i * i for i in data)
-    generator = torch.Generator().manual_seed(0)
-    sampler = torch.utils.data.RandomSampler(data, generator=generator)
-    before = generator.get_state()
-    course.shard_line(0, 0, sampler)
-    assert torch.equal(generator.get_state(), before), "asking must not change what training draws"
 
 
 def test_common_makes_no_distributed_call():
@@ -541,18 +497,19 @@ def test_common_makes_no_distributed_call():
 
 @pytest.mark.parametrize("damage", ["random", "truncated"])
 def test_a_damaged_checkpoint_is_named_in_one_line_and_left_as_it_is(tmp_path, damage):
-    path = tmp_path / "ck.pt"
+    """make's preflight, before a launch, on a checkpoint the script would continue from: one line, file untouched."""
+    path = tmp_path / "mnist_torchrun.pt"
     if damage == "random":
         path.write_bytes(os.urandom(5000))
     else:
-        course.atomic_save({"epoch": 1, "model": common.ConvNet().state_dict()}, path)
+        torch.save({"epoch": 1, "model": common.ConvNet().state_dict()}, path)
         path.write_bytes(path.read_bytes()[:3000])
     before = path.read_bytes()
-    with pytest.raises(course.UsageError, match="is damaged or not a checkpoint") as err:
-        course.load_checkpoint(path)
-    message = str(err.value)
-    assert str(path) in message and "weights_only" not in message and "\n" not in message
-    assert path.read_bytes() == before
+    res = run([PYTHON, REPO / "tools/preflight.py", "--nproc", "2", REPO / "03_ddp_torchrun/mnist_torchrun.py",
+               "--checkpoint-dir", tmp_path], expect_rc=2)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and "is damaged or not a checkpoint" in lines[0], res.tail()
+    assert "weights_only" not in res.stderr and path.read_bytes() == before
 
 
 def test_an_unwritable_checkpoint_dir_is_refused_before_training(capsys):
@@ -565,7 +522,7 @@ def test_an_unwritable_checkpoint_dir_is_refused_before_training(capsys):
 def test_files_get_the_mode_the_umask_gives(tmp_path):
     old = os.umask(0o022)
     try:
-        path = course.atomic_save({"x": 1}, tmp_path / "ck.pt")
+        path = util.atomic_write_bytes(b"x", tmp_path / "ck.pt")
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, "mkstemp's 0600 would hide it from other users"
     finally:
         os.umask(old)
@@ -662,21 +619,6 @@ def test_a_gradscaler_without_a_device_warns_on_a_machine_without_cuda():
     out = subprocess.run([PYTHON, "-c", code], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                          capture_output=True, text=True, timeout=120).stdout
     assert "CUDA is not available" in out, out
-
-
-def test_the_progress_bar_is_rank_0s_on_stderr_and_tqdm_disable_turns_it_off(monkeypatch, capsys):
-    items = [1, 2, 3]
-    assert course.progress(items, rank=1) is items  # other ranks: no bar at all
-    monkeypatch.delenv("TQDM_DISABLE", raising=False)
-    bar = course.progress(items, rank=0)
-    assert not bar.disable
-    bar.close()
-    drawn = capsys.readouterr()
-    assert "0/3" in drawn.err and drawn.out == ""
-    code = "from tools import course; bar = course.progress([1, 2, 3], rank=0); print(bar.disable, list(bar))"
-    res = subprocess.run([PYTHON, "-c", code], env={**os.environ, "TQDM_DISABLE": "1"}, capture_output=True,
-                         text=True, timeout=120)  # tqdm reads TQDM_* when it is imported
-    assert res.stdout.split() == ["True", "[1,", "2,", "3]"] and "0/3" not in res.stderr, res
 
 
 @pytest.mark.parametrize("rank, local_rank, speaks", [("0", "0", True), ("2", "0", True), ("3", "1", False)])

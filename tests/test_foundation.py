@@ -531,3 +531,37 @@ def test_gpu_tests_are_marked_and_skipped_where_there_is_no_gpu():
     reasons = re.findall(r"^SKIPPED \[(\d+)\] \S+: needs ([12]) usable CUDA GPU\(s\); this machine has 0$", res.stdout,
                          re.M)
     assert sum(int(n) for n, _ in reasons) == marked, res.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_the_progress_bar_is_drawn_on_a_terminal_only_and_by_rank_0_only(data_dir):
+    """tqdm(disable=None) draws on a terminal and stays silent in a log file or a pipe; the other ranks pass True."""
+    import pty
+
+    cmd = [PYTHON, REPO / "01_dataparallel/mnist_single.py", "--dataset", "mnist-standin", "--data-dir", data_dir,
+           "--epochs", "1", "--max-steps", "3"]
+    piped = run(cmd, env={"TQDM_DISABLE": None}, timeout=120)
+    assert "epoch 1:" not in piped.stderr and piped.final["world_size"] == 1
+    import fcntl
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()  # standard error a terminal, as in a shell, 100 columns wide (tqdm fits them)
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    proc = subprocess.run([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=follower, timeout=120, cwd=REPO,
+                          env={k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"})
+    os.close(follower)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(leader)
+    assert proc.returncode == 0 and b"epoch 1:" in drawn and b"it/s" in drawn, drawn[-500:]
+    for script in ("02_ddp_spawn/mnist_spawn.py", "03_ddp_torchrun/mnist_torchrun.py", "04_multinode_tcp/mnist_tcp.py",
+                   "06_amp_syncbn/mnist_amp_syncbn.py"):
+        assert "disable=None if rank == 0 else True" in (REPO / script).read_text(), script

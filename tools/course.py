@@ -1,6 +1,6 @@
-"""The course's own machinery, which no lesson needs: one-line argument errors, the checks the make targets'
-preflight makes, the runtime report, printing and parsing of the `kind: key=value` lines, atomic checkpoints,
-weight digests. The demos of sections 02-06 and the benchmarks use it; the MNIST chain scripts do not.
+"""The course's own machinery, which no lesson needs: one-line argument errors and the checks of the make targets'
+preflight, the runtime report it prints, and what the benchmarks share (threads per process, batch loaders,
+printing on rank 0, parsing the `kind: key=value` lines). No script in a numbered folder imports it.
 """
 
 from __future__ import annotations
@@ -8,19 +8,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import random
-import re
 import shutil
 import sys
-import threading
 import time
-import zlib
 from pathlib import Path
 
 import torch
-from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
-from tqdm import tqdm
 
 import common
 from common import CIFAR_DATASETS, MNIST_DATASETS, free_port  # noqa: F401 - re-exported for the demos
@@ -99,24 +93,6 @@ positive_int = _number(int, 1, True, "a whole number of at least 1")
 positive_float = _number(float, 0.0, False, "a positive number")
 
 
-def local_rank_arg(text: str) -> int:
-    """--local-rank as the deprecated torch.distributed.launch passes it: one whole number."""
-    if "," in text:
-        raise argparse.ArgumentTypeError(f"got {text!r}: torchrun gives every process its own LOCAL_RANK; drop "
-                                          f"--local_rank from the command line")
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-
-
-def accept_local_rank(parser: argparse.ArgumentParser) -> None:
-    """--local-rank and --local_rank, which the deprecated torch.distributed.launch passes (2.0 and later, and
-    before); a LOCAL_RANK in the environment (torchrun's way) wins. The value is args.local_rank (-1: none)."""
-    parser.add_argument("--local-rank", "--local_rank", type=local_rank_arg, default=-1, dest="local_rank",
-                        help="set by the deprecated torch.distributed.launch; LOCAL_RANK wins when set")
-
-
 def check_args(parser: argparse.ArgumentParser, args, *, rank: int = 0, world_size: int = 1, local_rank: int = 0,
                procs_per_node: int = 1) -> tuple[torch.device, str | None]:
     """Check the shared flags and this process's place in the job (PyTorch checks neither the ranks nor a
@@ -172,56 +148,10 @@ def _check_init_method(init_method: str) -> None:
 # --------------------------------------------------------------------------- devices
 
 
-def gpu_count() -> int:
-    """The CUDA GPUs this process can use (common.usable_gpus)."""
-    return common.usable_gpus()
-
-
-def _too_old_gpus(count: int) -> list[str]:
-    """The visible GPUs whose compute capability is below the lowest this build was compiled for."""
-    low = _lowest_arch()
-    return [f"{torch.cuda.get_device_name(i)} ({'.'.join(map(str, torch.cuda.get_device_capability(i)))})"
-            for i in range(count) if low and torch.cuda.get_device_capability(i) < low]
-
-
 def _lowest_arch() -> tuple[int, int] | None:
     """The oldest GPU generation this torch build has kernels for, as (major, minor): (7, 5) for sm_75."""
     archs = [int(a[3:]) for a in torch.cuda.get_arch_list() if a.startswith("sm_") and a[3:].isdigit()]
     return (min(archs) // 10, min(archs) % 10) if archs else None
-
-
-def choose_device(device: str = "auto", backend: str | None = "auto", *, local_rank: int = 0,
-                  procs_per_node: int = 1) -> tuple[torch.device, str | None]:
-    """This process's device and the process group backend, from --device and --backend.
-
-    auto: CUDA + NCCL when the node has a GPU for every process (local rank r uses cuda:r), otherwise
-    CPU + Gloo. `--device cuda --backend gloo` with fewer GPUs than processes lets processes share
-    GPUs (local rank r uses cuda:r % GPUs): every CUDA code path runs, but not NCCL, which refuses
-    two processes on one GPU. backend=None is for single-process scripts. A request that cannot
-    work raises UsageError with what to do instead.
-    """
-    gpus = gpu_count()
-    if procs_per_node < 1:
-        raise UsageError(f"the number of processes per node must be at least 1, got {procs_per_node}")
-    if device == "cuda" and gpus == 0:
-        raise UsageError("--device cuda: no usable CUDA GPU is visible here (see the NOTE above); use --device cpu")
-    if backend == "nccl":
-        if gpus == 0:
-            raise UsageError("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo on a CPU machine")
-        if device == "cpu":
-            raise UsageError("--backend nccl works on CUDA tensors only; drop --device cpu or use --backend gloo")
-    wants_nccl = backend == "nccl" or (backend == "auto" and device == "cuda")
-    if wants_nccl and procs_per_node > gpus:
-        raise UsageError(f"NCCL needs one GPU per process: {procs_per_node} processes per node but {gpus} GPU(s) "
-                         f"here. Start at most {gpus} per node (NPROC={gpus}), or add --backend gloo to let "
-                         f"processes share GPUs")
-    if device == "auto":
-        device = "cuda" if 0 < procs_per_node <= gpus else "cpu"
-    if backend == "auto":
-        backend = "nccl" if device == "cuda" else "gloo"
-    if device == "cpu":
-        return torch.device("cpu"), backend
-    return torch.device("cuda", local_rank % gpus), backend
 
 
 _DRIVER_FLOOR = {"13": "580", "12": "525", "11": "450"}
@@ -231,7 +161,7 @@ def runtime_report(device: torch.device, backend: str | None = None, procs_per_n
                    gpus_per_process: int = 1) -> str:
     """What a run is about to use, for the first lines a script prints: torch, CUDA, the GPUs seen, this
     run's device and backend, and a NOTE wherever the run is not what a GPU user would expect."""
-    gpus = gpu_count()
+    gpus = common.usable_gpus()
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     if gpus:
         names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
@@ -283,107 +213,10 @@ def batch_loader(dataset: TensorDataset, batch_size: int, sampler=None, shuffle:
                       pin_memory=pin_memory)
 
 
-# --------------------------------------------------------------------------- checkpoints
-
-
-def load_checkpoint(path) -> dict:
-    """A checkpoint written by atomic_save, loaded onto the CPU with weights_only=True.
-
-    map_location="cpu" keeps RNG states where torch wants them; load_state_dict then copies the
-    weights to wherever the model is, and an optimizer moves its state to its parameters' device.
-    A damaged file ends in one line (UsageError) that names it; the file is left as it is.
-    """
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - truncated, random bytes, not a torch file: all the same to a user
-        raise UsageError(f"{path} is damaged or not a checkpoint (torch.load: {type(err).__name__}). It was left as "
-                         f"it is: move it away, or use another --checkpoint-dir, to start over") from None
-
-
-def rng_state() -> dict:
-    """Python's and torch's RNG states, and this process's current GPU's, in a form that
-    torch.load(weights_only=True) accepts. Only the current GPU: the file must load on a machine with fewer."""
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what rng_state() saved, however the checkpoint was loaded.
-
-    torch.set_rng_state accepts only a CPU ByteTensor ("RNG state must be a torch.ByteTensor"); a
-    checkpoint loaded with map_location=<a GPU> has put the saved states on that GPU: .cpu() brings them back.
-    """
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"].cpu())  # the current GPU's
-
-
-# --------------------------------------------------------------------------- printing, progress, evaluation
+# --------------------------------------------------------------------------- printing
 
 
 def print0(rank: int, *parts) -> None:
     """Print one whole line, from rank 0 only (other ranks stay quiet)."""
     if rank == 0:
         say(*parts)
-
-
-def progress(iterable, rank: int, desc: str = "", total: int | None = None):
-    """A tqdm bar on rank 0; on other ranks the bare iterable."""
-    if rank != 0:
-        return iterable
-    # tqdm's default lock is a multiprocessing semaphore, reported as "leaked" when a worker ends abruptly;
-    # only rank 0 draws, so a thread lock is all it needs
-    tqdm.set_lock(threading.RLock())
-    interactive = sys.stderr.isatty()
-    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True,
-                mininterval=0.1 if interactive else 5.0, file=sys.stderr)
-
-
-def line(kind: str, **fields) -> str:
-    """One structured output line, `kind: key=value ...`: floats with 4 decimals, everything else as it is.
-
-    Notebooks and tests read these lines with parse_lines; people read them too.
-    """
-    return f"{kind}: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
-
-
-def weights_digest(model: nn.Module) -> str:
-    """A short fingerprint (CRC-32) of every parameter and buffer: equal on two ranks only if the bytes are equal."""
-    crc = 0
-    for key, tensor in model.state_dict().items():
-        crc = zlib.crc32(key.encode(), crc)
-        crc = zlib.crc32(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
-    return f"{crc:08x}"
-
-
-def shard_line(rank: int, epoch: int, sampler) -> str:
-    """What this rank trains on in this epoch, in one line: how many samples, their sum and sum of squares
-    (equal totals over the ranks mean the shards cover the data set once), and a fingerprint of their order.
-
-    The sampler's own random generator, if it has one, is left as it was: asking does not change the training.
-    """
-    generator = getattr(sampler, "generator", None)
-    saved = generator.get_state() if generator is not None else None
-    indices = torch.tensor(list(sampler), dtype=torch.int64)
-    if saved is not None:
-        generator.set_state(saved)
-    order = zlib.crc32(indices.numpy().tobytes())
-    return line("shard", rank=rank, epoch=epoch + 1, samples=len(indices), sum=int(indices.sum()),
-                sumsq=int((indices * indices).sum()), order=f"{order:08x}")
-
-
-def worker_error(err: Exception) -> str:
-    """What to say about an mp.spawn worker that failed: the one line of a UsageError, else its whole traceback."""
-    found = re.search(r"^common\.UsageError: (.*)$", str(err), re.M)
-    return f"error: {found.group(1)}" if found else str(err)
-
-
-# --------------------------------------------------------------------------- files and ports
-
-
-def atomic_save(obj, path) -> Path:
-    """torch.save through a temp file, fsync and os.replace: a killed save never corrupts `path`."""
-    return _atomic_write(path, lambda f: torch.save(obj, f))
