@@ -13,10 +13,6 @@ import gc
 import os
 import signal
 import sys
-from datetime import timedelta
-
-import torch
-import torch.distributed as dist
 
 
 def enabled() -> bool:
@@ -32,29 +28,6 @@ def free_ddp_models() -> None:
     """
     if enabled():
         gc.collect()
-
-
-def join_group_per_attempt(backend: str, timeout: timedelta, device_id: torch.device | None = None) -> None:
-    """init_process_group from torchrun's environment, with the keys of each restart attempt kept apart.
-
-    Fixes: torchrun's agent keeps one key-value store for the whole job. Workers restarted after a failure
-    (--max-restarts) find the failed attempt's keys, its Gloo addresses, still there and connect to dead
-    processes: "Gloo connectFullMesh failed ... Connection refused", or a hang (the store is shared since
-    torch 2.4; pytorch issue 135712). A PrefixStore named after TORCHELASTIC_RESTART_COUNT gives every attempt
-    its own keys. Needed: only when torchrun may restart the workers (TORCHELASTIC_MAX_RESTARTS > 0); the plain
-    init_process_group is used otherwise. Costs: nothing measurable.
-    """
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
-                            world_size=world_size, timeout=timeout, device_id=device_id)
-
-
-def restarts_possible() -> bool:
-    """Does this process need join_group_per_attempt: did torchrun start it with --max-restarts above 0 (and the
-    workarounds are on)?"""
-    return enabled() and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
 
 
 def stop_with_launcher() -> None:

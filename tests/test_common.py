@@ -594,19 +594,6 @@ def test_rng_state_must_be_a_cpu_byte_tensor():
         torch.set_rng_state(torch.zeros(8))
 
 
-@pytest.mark.parametrize("value, switch, expected",
-                         [(None, "on", False), ("0", "on", False), ("1", "on", True), ("1", "off", False)])
-def test_the_per_attempt_store_is_used_only_when_torchrun_may_restart(monkeypatch, value, switch, expected):
-    import workarounds
-
-    monkeypatch.setenv("COURSE_WORKAROUNDS", switch)  # off: the stress target's plain init_process_group
-    if value is None:
-        monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
-    else:
-        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", value)
-    assert workarounds.restarts_possible() is expected
-
-
 def test_the_installed_wheel_has_no_mpi_backend():
     import torch.distributed as dist
 

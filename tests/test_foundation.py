@@ -565,3 +565,25 @@ def test_the_progress_bar_is_drawn_on_a_terminal_only_and_by_rank_0_only(data_di
     for script in ("02_ddp_spawn/mnist_spawn.py", "03_ddp_torchrun/mnist_torchrun.py", "04_multinode_tcp/mnist_tcp.py",
                    "06_amp_syncbn/mnist_amp_syncbn.py"):
         assert "disable=None if rank == 0 else True" in (REPO / script).read_text(), script
+
+
+def test_no_function_of_the_machinery_is_called_only_by_its_own_tests():
+    """Rot: every public function and class of common.py, workarounds.py, tools/ and bench/benchlib.py is used by
+    something other than the tests (a script, a tool, the Makefile, a notebook), or it goes."""
+    import ast
+
+    modules = [REPO / "common.py", REPO / "workarounds.py", REPO / "bench/benchlib.py",
+               *sorted((REPO / "tools").glob("*.py"))]
+    users = [p for p in REPO.rglob("*.py") if not any(part.startswith(".") or part in ("tests", "data", "runs")
+                                                      for part in p.relative_to(REPO).parts[:-1])]
+    texts = {p: p.read_text() for p in users} | {REPO / "Makefile": (REPO / "Makefile").read_text()}
+    unused = []
+    for module in modules:
+        tree = ast.parse(module.read_text())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                word = re.compile(rf"\b{re.escape(node.name)}\b")
+                own = len(word.findall(texts[module]))
+                if own < 2 and not any(word.search(text) for path, text in texts.items() if path != module):
+                    unused.append(f"{module.relative_to(REPO)}:{node.name}")
+    assert not unused, unused
