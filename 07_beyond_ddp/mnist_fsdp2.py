@@ -1,4 +1,4 @@
-"""Beyond DDP, step 1: the chain's training with FSDP2 (fully_shard): every rank holds 1/N of every weight.
+"""Step 6 of the MNIST chain: the training of step 3 with FSDP2 (fully_shard): every rank holds 1/N of every weight.
 
 DDP keeps a whole copy of the model, its gradients and its optimizer state on every rank. FSDP2 shards all three:
 each parameter becomes a DTensor whose rank r holds rows r, r+1, ... of dimension 0 (about 1/N of it); a block

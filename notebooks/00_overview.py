@@ -29,7 +29,8 @@
 # | 4 | `04_multinode_tcp` | `tcp://` and `file://` initialisation, several nodes, Slurm | `make multinode-tcp NNODES=2` |
 # | 5 | `05_collectives` | send/recv and the collectives by hand, exact distributed evaluation | `make collectives NPROC=4` |
 # | 6 | `06_amp_syncbn` | mixed precision (autocast, GradScaler) and SyncBatchNorm, CIFAR-10 ResNet-18 | `make amp-syncbn NPROC=2` |
-# | 7 | `bench` | the source notes' claims measured: DP vs DDP, DDP's cost, all-reduce bandwidth, AMP, buckets | `make bench` |
+# | 7 | `07_beyond_ddp` | what comes after DDP: FSDP2, ZeRO, `torch.compile`, uneven inputs with `Join` | `make fsdp NPROC=2` |
+# | 8 | `bench` | the source notes' claims measured: DP vs DDP, DDP's cost, all-reduce bandwidth, AMP, buckets | `make bench` |
 #
 # In the scripts, every line about distribution carries a comment that starts with `# DDP:`; everything else is
 # the same as in the single-process baseline.
@@ -98,4 +99,4 @@ assert summary["test_acc"] > 0.5  # ten classes: chance is 0.1
 # Next: [01_dataparallel.ipynb](01_dataparallel.ipynb), [02_ddp_spawn.ipynb](02_ddp_spawn.ipynb),
 # [03_ddp_torchrun.ipynb](03_ddp_torchrun.ipynb), [04_multinode_tcp.ipynb](04_multinode_tcp.ipynb),
 # [05_collectives.ipynb](05_collectives.ipynb), [06_amp_syncbn.ipynb](06_amp_syncbn.ipynb),
-# [07_benchmarks.ipynb](07_benchmarks.ipynb).
+# [07_beyond_ddp.ipynb](07_beyond_ddp.ipynb), [08_benchmarks.ipynb](08_benchmarks.ipynb).

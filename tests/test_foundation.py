@@ -111,7 +111,7 @@ COPYABLE = {
 
 @pytest.mark.slow
 def test_each_copyable_script_trains_from_an_empty_folder_offline_without_the_course(bare, data_dir, tmp_path):
-    """Each script as a user copies it: into an empty folder with only what it imports (common.py, and for step 6
+    """Each script as a user copies it: into an empty folder with only what it imports (common.py, and for step 5
     with --sync-bn syncbn_by_hand.py), run by an interpreter that holds torch but not the course (no tools, no
     workarounds), offline, on a data folder already on disk: the stand-in's files."""
     data = tmp_path / "data"  # a prepared data folder, as `make data` leaves it

@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # (parent, step): each step of the MNIST chain and the script it changes. The main line runs 1 -> 2 -> 3 -> 4;
-# steps 6 and 7 build on step 3 (torchrun is how real jobs are launched), and DataParallel is a side branch of step 1.
+# steps 5 and 6 build on step 3 (torchrun is how real jobs are launched), and DataParallel is a side branch of step 1.
 CHAIN = [
     ("01_dataparallel/mnist_single.py", "01_dataparallel/mnist_dataparallel.py"),
     ("01_dataparallel/mnist_single.py", "02_ddp_spawn/mnist_spawn.py"),

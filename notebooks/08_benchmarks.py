@@ -13,7 +13,7 @@
 #     name: python3
 # ---
 # %% [markdown]
-# # 07 · Benchmarks: what the source notes claim, measured
+# # 08 · Benchmarks: what the source notes claim, measured
 #
 # The source notes say DDP is faster than DataParallel, that collectives beat point-to-point sends, that mixed
 # precision pays. `make bench` measures each claim on your machine and writes JSON, a markdown table and a plot per
