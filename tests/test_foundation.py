@@ -20,8 +20,12 @@ from tools import tracecheck
 
 @pytest.mark.slow
 def test_make_smoke_trains_the_baseline(data_dir):
-    res = make("smoke", f"ARGS=--data-dir {data_dir} --max-steps 120", timeout=300)  # a third of the epoch
+    res = make("smoke", f"ARGS=--data-dir {data_dir} --max-steps 120 --log-every 1", timeout=300)  # a third
     final = res.final
+    # the epoch line's train_loss is the mean over the epoch's batches (all of 64 samples), not the last batch's
+    steps = [float(x) for x in re.findall(r"^step: epoch=1 step=\d+ loss=(\S+)$", res.stdout, re.M)]
+    (epoch,) = re.findall(r"^epoch 1/1: train_loss=(\S+) ", res.stdout, re.M)
+    assert len(steps) == 120 and abs(float(epoch) - sum(steps) / 120) < 2e-4 and float(epoch) != steps[-1]
     assert final["world_size"] == 1 and final["epochs"] == 1 and final["dataset"] == "mnist-standin"
     assert final["test_samples"] == TEST_IMAGES
     assert 0.9 < final["test_acc"] < 1.0, "120 steps should learn the stand-in well, but not perfectly"
