@@ -269,6 +269,37 @@ def test_make_test_runs_what_another_interpreter_can_and_says_what_it_skips(tmp_
     assert "RAN pytest" not in refused.stdout
 
 
+def test_the_torch_range_is_the_range_that_ran():
+    """The course claims the torch versions it has run: a compat record (make compat TORCH=...) in which every
+    step of the named set passed, for the pinned torch and for the oldest that check_torch accepts; the README
+    quotes each with its date."""
+    import json
+
+    from tools import check_torch, compat
+
+    named = {name for name, _, _ in compat.STEPS} | {compat.TESTS[0]}
+    ran = {}
+    for path in sorted((REPO / "bench" / "results").glob("compat_torch-*.json")):
+        record = json.loads(path.read_text())
+        if record["all_passed"] and {s["step"] for s in record["steps"]} >= named:
+            assert all(s["passed"] for s in record["steps"]) and record["interpreter"].startswith(".venv-torch")
+            ran[record["torch"].split("+")[0]] = record["date"]
+    pinned = re.search(r"^torch==(\S+)", (REPO / "requirements.txt").read_text(), re.M).group(1)
+    oldest = min(ran, key=check_torch.version)
+    assert pinned in ran and check_torch.OLDEST == check_torch.version(oldest) == (2, 11), ran
+    readme = " ".join((REPO / "docs" / "setup.md").read_text().split())
+    for version, date in ran.items():
+        assert f"torch {version} ({date})" in readme, version
+    assert compat.torchvision_for("2.11.0") == "0.26.*" and compat.torchvision_for(pinned) == "0.29.*"
+    # the error gallery's inplace-buffers case: torch 2.11 raises the error, the pinned torch runs the broken variant
+    gallery = {}
+    for path in (REPO / "bench" / "results").glob("compat_torch-*.json"):
+        record = json.loads(path.read_text())
+        lines = [ln for s in record["steps"] if s["step"] == "errors" for ln in s["verdicts"] if "inplace" in ln]
+        gallery[record["torch"].split("+")[0]] = lines
+    assert "broken failed as it should" in gallery["2.11.0"][0] and "broken RAN" in gallery[pinned][0], gallery
+
+
 def test_make_reinstalls_when_the_requirements_change():
     dry = run(["make", "-n", "-W", "requirements.txt", "smoke"]).stdout  # -W: as if the file had just changed
     assert "pip install" in dry and "-r requirements-dev.txt" in dry
