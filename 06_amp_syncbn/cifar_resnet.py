@@ -137,8 +137,7 @@ def main():
     local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     device, backend = common.device_and_backend(args.device, args.backend, local_rank, local_world_size)
     if args.amp == "auto":  # AMP: bf16 on the CPU and on GPUs that compute in it (Ampere and newer), else fp16
-        bf16 = device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False)
-        args.amp = "bf16" if bf16 else "fp16"
+        args.amp = "bf16" if device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # DDP: this process's GPU; every later CUDA and NCCL call uses it
     # DDP: env:// reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; NCCL gets this process's GPU

@@ -45,7 +45,7 @@ class Trainer:
         self.model = DDP(self.model)
 
     def _load_snapshot(self, snapshot_path):
-        snapshot = torch.load(snapshot_path, map_location="cpu")
+        snapshot = torch.load(snapshot_path, map_location="cpu", weights_only=True)
         self.model.load_state_dict(snapshot["MODEL_STATE"])
         self.epochs_run = snapshot["EPOCHS_RUN"]
         print(f"Resuming training from snapshot at Epoch {self.epochs_run}")
