@@ -1,15 +1,20 @@
 """Break the distributed part of each DDP chain script (and cifar_resnet.py) on purpose; a trace check must turn
 red for every break.
 
-    python tools/mutants.py                                    # every script, every mutation (about a minute)
+    python tools/mutants.py                                    # every script, every mutation (about two minutes)
     python tools/mutants.py --only no-set-epoch --scripts 03_ddp_torchrun/mnist_torchrun.py
     make mutants
 
 For each script the unchanged copy runs first and must pass every check; then each mutation replaces one piece
 of it (the sampler, set_epoch, the DDP wrap, the evaluation all_reduce, the evaluation split, the buffer
-broadcast) in a copy, runs it with 2 ranks for 2 short epochs, and reads the trace (tools/tracer.py) with
-tools/tracecheck.py. A mutation is caught when the check named for it says "wrong". Exit code 1 if any
-mutation survives or an unchanged script fails a check.
+broadcast, the checkpoint's writer and its restore, LOCAL_RANK) in a copy, runs it with 2 ranks for 2 short epochs
+(with a checkpoint after each), and reads the trace (tools/tracer.py) with tools/tracecheck.py. A mutation is
+caught when the check named for it says "wrong". Exit code 1 if any mutation survives or an unchanged script fails
+a check.
+
+The torchrun scripts run as two nodes of one process each, every node with its own data folder (as on machines
+with their own disks): RANK and LOCAL_RANK differ there. The scripts with a GradScaler also run 1 epoch with
+--amp fp16 and are started once more to continue from that checkpoint (the resume check).
 
 The ranks are forked from this process, which imports torch once (a launch costs a second, not ten); they get
 torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), or the tcp:// arguments for mnist_tcp.py,
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
+import shutil
 import signal
 import socket
 import sys
@@ -43,9 +49,13 @@ SCRIPTS = {  # script: how its ranks start
 }
 # FSDP2 has no DDP wrap to break (its break: a root never sharded), and the buffers check reads DDP modules. Its
 # data side (sampler, set_epoch, evaluation) is the chain's and is checked as theirs.
-NOT_FOR = {"07_beyond_ddp/mnist_fsdp2.py": {"bare-model", "no-buffer-broadcast"}}
-ONLY_FOR = {"root-not-sharded": {"07_beyond_ddp/mnist_fsdp2.py"}}
-CHECKS_FOR = {"07_beyond_ddp/mnist_fsdp2.py": {"shards", "order", "ddp", "eval", "eval_sum", "writer"}}
+# Its checkpoint is written by every rank (torch.distributed.checkpoint, a shard each): no single writer to break.
+NOT_FOR = {"07_beyond_ddp/mnist_fsdp2.py": {"bare-model", "no-buffer-broadcast", "every-rank-saves"}}
+TORCHRUN = {rel for rel, how in SCRIPTS.items() if how == "torchrun"}
+SCALER = {"06_amp_syncbn/mnist_amp_syncbn.py", "06_amp_syncbn/cifar_resnet.py"}  # the scripts with a GradScaler
+ONLY_FOR = {"root-not-sharded": {"07_beyond_ddp/mnist_fsdp2.py"}, "scaler-not-restored": SCALER,
+            "rank-for-local-rank": TORCHRUN}
+CHECKS_FOR = {"07_beyond_ddp/mnist_fsdp2.py": {"shards", "order", "ddp", "eval", "eval_sum", "writer", "ran"}}
 # each run: 2 short epochs on a small stand-in (ResNet-18 on a CPU: a few small batches). No --accum-steps for
 # cifar_resnet.py: the bare-model break puts in DataParallel, which has no no_sync()
 ARGS = {"mnist": ["--dataset", "mnist-standin", "--epochs", "2", "--max-steps", "3"],
@@ -69,6 +79,16 @@ MUTANTS = {  # name: (what it breaks, the original code, the mutated code, the c
                             "            dist.broadcast(buffer, src=0)", "            pass", "buffers"),
     "root-not-sharded": ("the root's own parameters (fc) stay whole on each rank and train there alone",
                          "    fully_shard(model, mesh=mesh, mp_policy=policy)", "    pass", "ddp"),
+    "no-distributed-sampler": ("a plain shuffling loader: every rank trains on the whole data set",
+                               "sampler=sampler,", "shuffle=True,", "shards"),
+    "wrong-num-replicas": ("the data cut for one rank more than there are: a shard is never trained on",
+                           "num_replicas=world_size, rank=rank,", "num_replicas=world_size + 1, rank=rank,", "shards"),
+    "every-rank-saves": ("every rank writes the checkpoint file, at the same time",
+                         "if rank == 0 and path:", "if path:", "writer"),
+    "scaler-not-restored": ("a resumed run starts its GradScaler afresh",
+                            'scaler.load_state_dict(state["scaler"])', "pass", "resume"),
+    "rank-for-local-rank": ("RANK read where LOCAL_RANK belongs: on the second node no process prepares its data",
+                            'int(os.environ["LOCAL_RANK"])', 'int(os.environ["RANK"])', "ran"),
 }
 
 
@@ -112,19 +132,23 @@ def _child(script: Path, argv: list[str], env: dict, trace_dir: Path, log: Path)
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1
-    except BaseException:  # noqa: BLE001 - the traceback goes to the log
+    except BaseException as error:  # noqa: BLE001 - the traceback goes to the log
         import traceback
 
         traceback.print_exc()
+        tracer.record("error", lines=traceback.format_exception(error)[-6:])
     finally:
+        if code == 0:
+            tracer._exiting()  # what atexit does in a real run (os._exit skips it)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
 
 
 def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float = 120,
-        nproc: int = 2) -> tuple[list[int], str]:
-    """Start the ranks of `script` (2 of them; `nproc` for torchrun's kind) and wait; (exit codes, their output)."""
+        nproc: int = 2, nodes: int = 1, rank_args=None) -> tuple[list[int], str]:
+    """Start the ranks of `script` (2 of them; `nproc` for torchrun's kind, spread over `nodes` simulated nodes) and
+    wait; (exit codes, their output). rank_args(rank) adds arguments to one rank's (torchrun's kind)."""
     trace_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
@@ -134,8 +158,10 @@ def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float
         ranks = [([*args, "--init-method", f"tcp://127.0.0.1:{port}", "--world-size", "2", "--rank", str(r)], base)
                  for r in range(2)]
     else:
-        ranks = [(args, {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
-                         "LOCAL_WORLD_SIZE": str(nproc)}) for r in range(nproc)]
+        per_node = nproc // nodes
+        ranks = [([*args, *(rank_args(r) if rank_args else [])],
+                  {**base, "RANK": str(r), "LOCAL_RANK": str(r % per_node), "WORLD_SIZE": str(nproc),
+                   "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(r // per_node)}) for r in range(nproc)]
     pids = []
     for r, (argv, env) in enumerate(ranks):
         log = trace_dir / f"log-{r}.txt"
@@ -162,9 +188,12 @@ def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float
 
 
 def check_script(rel: str, data_dir: str, work: Path, only: list[str] | None = None) -> list[dict]:
-    """The unchanged script and each mutation of it: one row each (name, exit codes, checks, caught)."""
+    """The unchanged script and each mutation of it: one row each (name, exit codes, checks, caught). data_dir: the
+    first node's data folder (prepared); the second node's starts empty where LOCAL_RANK is the point."""
     script = REPO / rel
     args = [*ARGS["cifar" if "cifar" in rel else "mnist"], "--data-dir", data_dir, "--timeout", "30"]
+    how = SCRIPTS[rel]
+    nodes = 2 if how == "torchrun" else 1
     rows = []
     for name in ["unchanged", *[m for m in only or MUTANTS if m in mutations(rel)]]:
         copy = work / name.replace("-", "_") / script.name
@@ -174,11 +203,29 @@ def check_script(rel: str, data_dir: str, work: Path, only: list[str] | None = N
         for helper in script.parent.glob("*.py"):  # what the script imports from its own folder
             if helper.name != script.name:
                 (copy.parent / helper.name).write_text(helper.read_text())
-        codes, output = run(copy, SCRIPTS[rel], args, copy.parent / "trace")
-        checks = tracecheck.judge(copy.parent / "trace")
+        second = copy.parent / "node1-data"  # the second node's own disk: its first process prepares it ...
+        if nodes > 1 and name not in ("unchanged", "rank-for-local-rank"):
+            shutil.copytree(Path(data_dir) / "standin", second / "standin")  # ... here done already (faster)
+        node_dirs = (lambda r, d=str(second): ["--data-dir", data_dir if r == 0 else d]) if nodes > 1 else None
+        codes, output, checks = [], "", []
+        if name != "scaler-not-restored":
+            codes, output = run(copy, how, [*args, "--checkpoint-dir", str(copy.parent / "checkpoint")],
+                                copy.parent / "trace", nodes=nodes, rank_args=node_dirs)
+            checks = [c for c in tracecheck.judge(copy.parent / "trace", tracecheck.CHECKS + tracecheck.MORE)
+                      if c.name != "resume"]
+        if rel in SCALER and name in ("unchanged", "scaler-not-restored"):
+            # fp16: a GradScaler with a state to save; 1 epoch, then a second launch continues for another
+            fp16 = [*args, "--amp", "fp16", "--checkpoint-dir", str(copy.parent / "checkpoint-fp16")]
+            for epochs in (1, 2):
+                more, out = run(copy, how, [*fp16, "--epochs", str(epochs)], copy.parent / f"trace-fp16-{epochs}",
+                                nodes=nodes, rank_args=node_dirs)
+                codes, output = codes + more, output + out
+            checks += tracecheck.judge(copy.parent / "trace-fp16-2", (tracecheck.check_resume,))
         red = [c.name for c in checks if c.verdict == "wrong" and c.name in CHECKS_FOR.get(rel, {c.name})]
         expected = None if name == "unchanged" else MUTANTS[name][3]
         ok = (not red and codes == [0] * len(codes)) if expected is None else expected in red
+        if expected is None and rel in SCALER and not any(c.name == "resume" and c.verdict == "ok" for c in checks):
+            ok = False  # the resume check must have seen a restored GradScaler: it is never "ok" on nothing
         rows.append({"script": rel, "mutation": name, "codes": codes, "red": red, "expected": expected, "ok": ok,
                      "checks": [str(c) for c in checks], "output": output[-3000:]})
     return rows
@@ -186,8 +233,6 @@ def check_script(rel: str, data_dir: str, work: Path, only: list[str] | None = N
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Break each DDP script's distributed part; the trace must tell.")
-    parser.add_argument("--data-dir", help="a folder with the MNIST and CIFAR-10 stand-ins (made if missing); default: "
-                                           "small ones (2,400 + 400 and 200 + 10 images) in a temporary folder")
     parser.add_argument("--scripts", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))
     parser.add_argument("--only", nargs="+", choices=list(MUTANTS), help="these mutations only")
     args = parser.parse_args(argv)
@@ -200,14 +245,14 @@ def main(argv=None) -> int:
     tracer.install(tempfile.mkdtemp(prefix="course-trace-"))
     failed = 0
     with tempfile.TemporaryDirectory(prefix="course-mutants-") as work:
-        if args.data_dir is None:  # the breaks show on any data: a small stand-in keeps each run about a second
-            args.data_dir = str(Path(work) / "data")
-            standins.write_mnist_standin(Path(args.data_dir) / "standin", sizes=(2400, 400))
-            standins.write_cifar_standin(Path(args.data_dir) / "standin", sizes=(200, 10))
-        common.prepare_data("mnist-standin", args.data_dir)
-        common.prepare_data("cifar10-standin", args.data_dir, family="cifar10")
+        # the breaks show on any data: small stand-ins keep each run about a second; the ranks are forked from here,
+        # so a second node's first process writes the same small stand-in into its own folder
+        standins.STANDIN_SIZES = {**standins.STANDIN_SIZES, "mnist": (2400, 400), "cifar10": (200, 10)}
+        data_dir = str(Path(work) / "data")  # the first node's
+        common.prepare_data("mnist-standin", data_dir)
+        common.prepare_data("cifar10-standin", data_dir, family="cifar10")
         for rel in args.scripts:
-            for row in check_script(rel, args.data_dir, Path(work) / Path(rel).stem, args.only):
+            for row in check_script(rel, data_dir, Path(work) / Path(rel).stem, args.only):
                 what = ("passes every check" if row["expected"] is None else
                         f"caught by {row['expected']}" if row["ok"] else f"SURVIVED ({row['expected']} stayed green)")
                 if row["expected"] is None and not row["ok"]:

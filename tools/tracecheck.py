@@ -89,6 +89,13 @@ def check_shards(ranks) -> Check:
                                         f"{total} indices more than once ({how}; section 02)")
         if n and total >= n and len(set().union(*(p["indices"] for p in lists))) != n:
             return Check(name, "wrong", f"epoch {epoch + 1}: the shards miss samples of the training set")
+        world = max((e["world_size"] for r in ranks for e in ranks[r] if e["ev"] == "init"), default=len(ranks))
+        cut = {p["settings"]["num_replicas"] for p in lists if p["sampler"] == "DistributedSampler"} - {world}
+        if cut:
+            return Check(name, "wrong", f"epoch {epoch + 1}: the DistributedSampler cuts the data into "
+                                        f"num_replicas={max(cut)} shards for {world} ranks: "
+                                        f"{'some shards are never trained on' if max(cut) > world else 'they overlap'}"
+                                        f" (num_replicas must be the world size; section 02)")
     return Check(name, "ok", f"{epochs} epoch(s): the ranks' shards are disjoint and cover the training set")
 
 
@@ -252,14 +259,55 @@ def check_writer(ranks) -> Check:
                  "one writer per file" if writers else "no torch.save seen")
 
 
+def check_resume(ranks) -> Check:
+    """After a rank loads a checkpoint, its optimizer and its (enabled) GradScaler must start from the states saved in
+    it: a state left out of the restore starts afresh (a GradScaler at its first scale, SGD without momentum)."""
+    name, restored = "resume", set()
+    for rank, events in sorted(ranks.items()):
+        saved = None
+        for e in events:
+            if e["ev"] == "load":
+                saved = set(e["state"].values())
+            elif e["ev"] == "resumed" and saved is not None:
+                if e["digest"] not in saved:
+                    return Check(name, "wrong", f"rank {rank} loaded a checkpoint, but its {e['what']} does not start "
+                                                f"from any state saved in it: restore it with load_state_dict")
+                restored.add(e["what"])
+    if not restored:
+        loaded = any(e["ev"] == "load" for events in ranks.values() for e in events)
+        return Check(name, "unknown", "a checkpoint was loaded, but no optimizer or GradScaler state was seen after "
+                                      "it" if loaded else "no checkpoint loaded")
+    return Check(name, "ok", f"after loading a checkpoint, every rank's {' and '.join(sorted(restored))} "
+                             f"start(s) from the state saved in it")
+
+
+def check_ran(ranks) -> Check:
+    """Every rank of the group runs to the end of the script: none stops on an error or is missing."""
+    name = "ran"
+    errors = sorted((e["t"], rank, e["lines"][-1].strip()) for rank, events in ranks.items() for e in events
+                    if e["ev"] == "error")
+    if errors:
+        _, rank, line = errors[0]
+        return Check(name, "wrong", f"rank {rank} stopped first, on an error: {line}")
+    size = max((e["world_size"] for events in ranks.values() for e in events if e["ev"] == "init"), default=0)
+    missing = sorted(set(range(size)) - set(ranks))
+    if missing:
+        return Check(name, "wrong", f"rank(s) {missing} never joined the process group")
+    unseen = sorted(rank for rank, events in ranks.items() if not any(e["ev"] == "exit" for e in events))
+    if unseen:  # killed, or a forked worker (multiprocessing's) that leaves without Python's exit handlers
+        return Check(name, "unknown", f"rank(s) {unseen}: no error seen, and no end either")
+    return Check(name, "ok", f"all {size} ranks ran to the end of the script")
+
+
 CHECKS = (check_shards, check_order, check_ddp, check_buffers, check_eval, check_eval_sum, check_writer)
+MORE = (check_resume, check_ran)  # for the mutation check; the doctor says itself whether a run ended and resumed
 
 
-def judge(trace_dir) -> list[Check]:
+def judge(trace_dir, checks=CHECKS) -> list[Check]:
     ranks = load(trace_dir)
     if not ranks:
         return [Check("init", "wrong", "no process of the run joined a process group")]
-    return [check(ranks) for check in CHECKS]
+    return [check(ranks) for check in checks]
 
 
 def attempts(trace_dir) -> set[int]:

@@ -23,8 +23,13 @@ to DIR/trace-PID.jsonl:
               freed: a CRC-32 of the parameters of every optimizer (the trained weights, wrapped in DDP or not) and
               of the buffers of every DDP module; and ("forward") at the first forward of a DDP model's module in
               eval mode in each pass: the buffers it evaluates with, after DDP's own pre-forward buffer broadcast
-    coll      a collective called from Python (all_reduce, reduce, broadcast, all_gather, ...)
-    save      torch.save: the file name
+    coll      a collective called from Python (all_reduce, reduce, broadcast, all_gather, ...), not from torch's own
+              code (torch.distributed.checkpoint's)
+    save      torch.save, not from torch's own code: the file name
+    load      torch.load of a dict (a checkpoint): the file name and a digest of each entry (model, optimizer,
+              scaler, ...): a CRC-32 of its tensors with its other values
+    resumed   the first optimizer step, and the first GradScaler step, after a load: a digest of the live
+              optimizer's or GradScaler's state_dict() (an enabled GradScaler only), made as the entries above
     destroy   destroy_process_group
     error     an uncaught exception: its last lines
     exit      the interpreter exits normally (after the script's last line, before the teardown that can abort)
@@ -92,6 +97,35 @@ def _crc(tensors) -> str | None:
         t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensor: this rank's shard
         crc = zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
     return f"{crc:08x}" if seen else None
+
+
+def _state_digest(value) -> str:
+    """One digest of a state_dict (nested dicts and lists of tensors and plain values): equal states, equal digests."""
+    def canonical(v):
+        if hasattr(v, "detach"):  # a tensor: its dtype, shape and bytes
+            return f"{v.dtype}{tuple(v.shape)}:{_crc([v])}"
+        if isinstance(v, dict):
+            return {str(k): canonical(x) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))}
+        if isinstance(v, (list, tuple)):
+            return [canonical(x) for x in v]
+        return repr(v)
+
+    return f"{zlib.crc32(json.dumps(canonical(value), sort_keys=True).encode()):08x}"
+
+
+def _loaded(out, f, *_, **__):
+    """torch.load returned: a checkpoint's entries, and the restored states to compare at the next steps."""
+    if isinstance(out, dict):
+        _state["resume"] = {"optimizer", "scaler"}
+        record("load", path=os.path.abspath(f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", "?")),
+               state={str(k): _state_digest(v) for k, v in out.items() if isinstance(v, dict)})
+
+
+def _resumed(what: str, state: dict) -> None:
+    if what in _state.get("resume", ()):
+        _state["resume"].discard(what)
+        if state:  # a disabled GradScaler has no state to restore
+            record("resumed", what=what, digest=_state_digest(state))
 
 
 def _digest(when: str) -> None:
@@ -298,9 +332,18 @@ def fail_batch(spec: str, epochs, done: int, this_pass: int, pass_batches: int):
     return done + pass_batches // 2 + 1 if this_pass == (epochs or 2) else None
 
 
+def _by_torch() -> bool:
+    """Whether the wrapped call comes from PyTorch's own code (torch.distributed.checkpoint's collectives and its
+    torch.save of each rank's shard into memory), not from the script: not the script's doing, not recorded."""
+    import torch
+
+    frame = sys._getframe(3)  # this function, the hook, the wrapper, then the caller
+    return frame.f_code.co_filename.startswith(os.path.dirname(torch.__file__))
+
+
 def _collective(name):
     """A collective's "before" hook; its own keywords (op=, group=, ...) pass through untouched."""
-    return lambda *_, **__: record("coll", op=name)
+    return lambda *_, **__: None if _by_torch() else record("coll", op=name)
 
 
 def _evaluating(module, _inputs):
@@ -414,8 +457,13 @@ def install(trace_dir: str) -> None:
 
     _wrap(DistributedDataParallel, "__init__", after=ddp_made)
     _wrap(DistributedDataParallel, "no_sync", before=lambda self: record("no_sync"))
-    _wrap(torch, "save", before=lambda obj, f, *a, **k: record("save", path=os.path.abspath(
+    _wrap(torch, "save", before=lambda obj, f, *a, **k: None if _by_torch() else record("save", path=os.path.abspath(
         f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", "?"))))
+    _wrap(torch, "load", after=_loaded)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(lambda optimizer, *_: _resumed("optimizer", optimizer.state_dict()))
+    _wrap(torch.amp.GradScaler, "step", before=lambda self, *a, **k: _resumed("scaler", self.state_dict()))
 
     def initialised(*_, **kwargs):
         timeout = kwargs.get("timeout")
