@@ -14,6 +14,7 @@ import gc
 import os
 import sys
 import tempfile
+import zlib
 from datetime import timedelta
 
 import torch
@@ -72,6 +73,12 @@ def one_step(model, device, out_device=None):
     optimizer.step()
 
 
+def digest(model) -> str:
+    """A short fingerprint of the weights (a CRC-32 of every parameter's bytes): equal digests, equal weights."""
+    flat = torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
+    return f"{zlib.crc32(flat.numpy().tobytes()):08x}"
+
+
 def same_on_all_ranks(model, device) -> bool:
     """True when every rank holds exactly rank 0's parameters (compared on `device`, the one the group uses)."""
     flat = torch.cat([p.detach().flatten().to(device) for p in model.parameters()])
@@ -85,9 +92,15 @@ def same_on_all_ranks(model, device) -> bool:
 def demo_basic(rank, world_size, device, args):
     # every rank prints: the newline inside the string and end="" make one write, so lines never mix
     print(f"rank {rank}/{world_size}: running the basic DDP example on {device}\n", end="", flush=True)
-    model = DDP(common.ToyModel().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    net = common.ToyModel().to(device)  # every process draws its own random weights...
+    at_init = digest(net)
+    model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)  # ...DDP copies rank 0's to all
+    wrapped = digest(model)
     one_step(model, device)  # every rank feeds different random data...
-    same = same_on_all_ranks(model, device)  # ...and still ends with the same weights
+    # ...and still ends with the same weights: the last digest is the same on every rank
+    print(f"rank {rank}: weights digest {at_init} at init, {wrapped} after DDP(), {digest(model)} after one step\n",
+          end="", flush=True)
+    same = same_on_all_ranks(model, device)
     if rank == 0:
         print(f"after one step on different data, all {world_size} ranks hold the same weights: {same}", flush=True)
 
@@ -104,7 +117,9 @@ def demo_checkpoint(rank, world_size, device, args):
     map_location = {"cuda:0": str(device)} if device.type == "cuda" else "cpu"
     model.module.load_state_dict(torch.load(path, map_location=map_location, weights_only=True))
     print(f"rank {rank} loaded the checkpoint (weights_only=True, map_location={map_location})\n", end="", flush=True)
+    loaded = digest(model)
     one_step(model, device)
+    print(f"rank {rank}: weights digest {loaded} as loaded, {digest(model)} after one step\n", end="", flush=True)
     same = same_on_all_ranks(model, device)
     dist.barrier()  # every rank has read the file before it is removed
     if rank == 0:
@@ -118,7 +133,9 @@ def demo_model_parallel(rank, world_size, device, args):
         print(f"model parallel wants 2 GPUs per process ({2 * world_size} in all): here both halves run on the CPU; "
               f"the code path is the same", flush=True)
     model = DDP(ToyMpModel(dev0, dev1))  # no device_ids for a model that spans several devices
+    wrapped = digest(model)
     one_step(model, dev0, out_device=dev1)  # outputs come out on dev1
+    print(f"rank {rank}: weights digest {wrapped} after DDP(), {digest(model)} after one step\n", end="", flush=True)
     same = same_on_all_ranks(model, dev0)
     print(f"rank {rank}: net1 on {dev0}, net2 on {dev1}\n", end="", flush=True)
     if rank == 0:

@@ -24,19 +24,37 @@ def test_dataparallel_prefixes_every_key_and_module_unwraps_them():
 
 
 DP_WITHOUT_GPU = """
+import warnings
 import torch
 from torch import nn
 import common
 model = common.ConvNet().eval()
-wrapped = nn.DataParallel(model)
 x = torch.randn(8, 1, 28, 28)
-print("device_ids", wrapped.device_ids, "same output", torch.equal(wrapped(x), model(x)))
+with warnings.catch_warnings(record=True) as warned:
+    warnings.simplefilter("always")
+    wrapped = nn.DataParallel(model)
+    same = torch.equal(wrapped(x), model(x))
+print("device_ids", wrapped.device_ids, "same output", same, "warnings", len(warned))
 """
 
 
 def test_dataparallel_without_gpu_returns_exactly_what_the_module_returns():
     out = run([PYTHON, "-c", DP_WITHOUT_GPU], env=NO_GPU).stdout
-    assert "device_ids [] same output True" in out
+    assert "device_ids [] same output True warnings 0" in out  # no copy, no split, no warning
+
+
+def test_the_convnet_is_the_one_of_kai_zhangs_tutorial():
+    """Two blocks of 5x5 convolution (padding 2), BatchNorm, ReLU and 2x2 max-pool (1 -> 16 -> 32 channels), then
+    one linear layer from 7 x 7 x 32 features to the 10 classes: the tutorial's ConvNet, layer for layer."""
+    net = common.ConvNet()
+    for block, (c_in, c_out) in ((net.layer1, (1, 16)), (net.layer2, (16, 32))):
+        conv, norm, act, pool = block
+        assert (conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding) == \
+            (c_in, c_out, (5, 5), (1, 1), (2, 2))
+        assert isinstance(norm, nn.BatchNorm2d) and norm.num_features == c_out and isinstance(act, nn.ReLU)
+        assert isinstance(pool, nn.MaxPool2d) and (pool.kernel_size, pool.stride) == (2, 2)
+    assert (net.fc.in_features, net.fc.out_features) == (7 * 7 * 32, 10)
+    assert net(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
 
 
 def test_dp_shapes_prints_the_split():
@@ -66,6 +84,11 @@ def dataparallel_run(data_dir, tmp_path, env=None, args=""):
 def test_make_dataparallel_trains_and_saves_a_plain_state_dict(data_dir, tmp_path):
     res = dataparallel_run(data_dir, tmp_path, env=NO_GPU)  # the CPU path on any machine
     assert "nothing is split" in res.stdout and "nn.DataParallel over" not in res.stdout
+    # the README's sample: the line that names the device says that nothing is split, then the epochs, then final
+    assert re.search(r"^1 process on cpu: without a usable GPU nothing is split, and the plain model trains$",
+                     res.stdout, re.M), res.stdout
+    assert re.search(r"^epoch 1/1: train_loss=[\d.]+ test_loss=[\d.]+ test_acc=[\d.]+$", res.stdout, re.M)
+    assert res.final["dataset"] == "mnist-standin" and res.final["epochs"] == 1
 
 
 @pytest.mark.slow
@@ -200,6 +223,12 @@ def test_dataparallel_checks_the_model_device_at_the_first_forward_not_at_the_wr
     elsewhere = nn.DataParallel(nn.Linear(5, 2).to("cuda:1"), device_ids=[0, 1])  # the wrap itself accepts it
     with pytest.raises(RuntimeError, match=r"module must have its parameters and buffers on device cuda:0"):
         elsewhere(x)
+
+
+@pytest.mark.parametrize("flags", [{"gpus": [0, 1]}, {"output_device": 0}], ids=["gpus", "output-device"])
+def test_dataparallel_flags_without_a_gpu_are_refused(monkeypatch, capsys, flags):
+    err = _dataparallel_refusal(monkeypatch, capsys, 0, "cpu", **flags)
+    assert "--gpus and --output-device need CUDA GPUs" in err and err.count("\n") == 1
 
 
 def test_dataparallel_script_refuses_the_cpu_on_a_gpu_machine(monkeypatch, capsys):

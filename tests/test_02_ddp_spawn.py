@@ -1,8 +1,13 @@
 """Section 02: DDP started with mp.spawn. Every multi-process test really launches the processes."""
 
+import ast
+import importlib.util
 import json
+import os
 import re
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,11 +59,34 @@ def test_make_ddp_basics_runs_all_four_demos(bare, tmp_path):
     # bare: an interpreter without the course installed, and make started from another folder (-C): mp.spawn's
     # children import common.py all the same
     out = make("-C", REPO, "ddp-basics", "NPROC=2", f"PY={bare}", env=BARE_ENV, cwd=tmp_path, timeout=180).stdout
+    # the truth from each rank's own weight digests, not from the script's verdict lines
+    digests = weight_digests(out)
+    assert sorted(digests) == ["basic", "checkpoint", "model-parallel", "process"], out
+    for demo, ranks in digests.items():
+        assert sorted(ranks) == [0, 1], (demo, out)
+        started = {stages["as loaded" if demo == "checkpoint" else "after DDP()"] for stages in ranks.values()}
+        stepped = {stages["after one step"] for stages in ranks.values()}
+        assert len(stepped) == 1, f"{demo}: the ranks hold different weights after the step: {ranks}"
+        assert len(started) == 1 and started != stepped, f"{demo}: not one common start, or the step changed nothing"
+        if demo in ("basic", "process"):  # each rank drew its own weights; DDP() made them rank 0's
+            assert ranks[0]["at init"] != ranks[1]["at init"] and ranks[1]["after DDP()"] == ranks[0]["at init"], ranks
+    # and the script's own verdicts, which the learner reads, agree with them
     assert "all 2 ranks hold the same weights: True" in out
     assert "after loading and one more step, all ranks hold the same weights: True" in out
     assert "rank 1 loaded the checkpoint (weights_only=True" in out
     assert "model parallel inside, data parallel across: ranks agree: True" in out
     assert "mp.Process: 2 processes started and joined, all exit codes 0" in out
+
+
+def weight_digests(out: str) -> dict[str, dict[int, dict[str, str]]]:
+    """ddp_basics.py's digest lines, per demo and rank: {"basic": {0: {"at init": "1f2e3d4c", ...}, 1: ...}}."""
+    found = {}
+    for section in re.split(r"^--- ddp_basics.py ", out, flags=re.M)[1:]:
+        demo, _, text = section.partition("\n")
+        lines = re.findall(r"^rank (\d+): weights digest (.+)$", text, re.M)  # "1f2e3d4c at init, ..."
+        found[demo.strip()] = {int(rank): {stage: digest for digest, stage in re.findall(r"(\w{8}) ([^,]+)", rest)}
+                               for rank, rest in lines}
+    return found
 
 
 @pytest.mark.slow
@@ -87,6 +115,8 @@ def test_mp_spawn_needs_the_main_guard(tmp_path):
     (tmp_path / "guarded.py").write_text(UNGUARDED.replace("{launch}", 'if __name__ == "__main__":\n    ' + launch))
     bad = run([PYTHON, "unguarded.py"], cwd=tmp_path, timeout=60, expect_rc=1)
     assert "bootstrapping phase" in bad.stderr and "worker 0 ran" not in bad.stdout
+    # what the notes quote is only the parent's report; the child's own error above is the cause
+    assert re.search(r"ProcessExitedException: process \d terminated with exit code 1", bad.stderr), bad.stderr
     good = run([PYTHON, "guarded.py"], cwd=tmp_path, timeout=60)
     assert "worker 0 ran" in good.stdout and "worker 1 ran" in good.stdout
 
@@ -137,12 +167,67 @@ def copied(tmp_path_factory):
 def test_two_ranks_resume_gives_bitwise_the_same_weights(copied, data_dir):
     a, _, b2, straight, resumed = spawn_runs(copied, data_dir, nproc=2)
     assert straight["epoch"] == resumed["epoch"] == 2
+    common.ConvNet().load_state_dict(straight["model"])  # model.module's keys: no "module." prefix
     for key, value in straight["model"].items():
         assert torch.equal(value, resumed["model"][key]), key
     momentum = [s["momentum_buffer"] for s in straight["optimizer"]["state"].values()]
     momentum_resumed = [s["momentum_buffer"] for s in resumed["optimizer"]["state"].values()]
     assert all(torch.equal(x, y) for x, y in zip(momentum, momentum_resumed, strict=True))
     assert b2.final["test_acc"] == a.final["test_acc"]
+
+
+def load_script(path: str):
+    spec = importlib.util.spec_from_file_location(Path(path).stem, REPO / path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_mnist_spawn_gives_each_process_one_thread_unless_told_otherwise(monkeypatch):
+    """mp.spawn sets no OMP_NUM_THREADS (torchrun does): mnist_spawn.py sets 1 before it spawns, unless it is set."""
+    script = load_script("02_ddp_spawn/mnist_spawn.py")
+    seen = []
+    monkeypatch.setattr(script.mp, "spawn", lambda fn, args, nprocs: seen.append(os.environ["OMP_NUM_THREADS"]))
+    monkeypatch.setattr(script.common, "prepare_data", lambda dataset, data_dir: dataset)
+    monkeypatch.setattr(sys, "argv", ["mnist_spawn.py", "--dataset", "mnist-standin"])
+    for name in ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"):  # set by main(); put back after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    script.main()
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    script.main()
+    assert seen == ["1", "3"]
+
+
+def test_every_lesson_script_that_wraps_a_model_frees_it_before_leaving_the_group():
+    """The pitfall "Let no DDP model outlive its process group": in every script of the numbered folders that wraps
+    a model, the `finally:` that calls destroy_process_group() calls gc.collect() before it; and mnist_spawn's
+    main_worker holds no model (train() builds it)."""
+    checked = []
+    for script in sorted(REPO.glob("0[1-7]_*/*.py")):
+        lines = script.read_text().splitlines()
+        if not any(re.search(r"\b(DDP|DistributedDataParallel|fully_shard)\(", line) for line in lines):
+            continue
+        teardowns = [lines[max(0, i - 6):i] for i, line in enumerate(lines)
+                     if re.match(r"\s+(dist\.)?destroy_process_group\(\)", line)]
+        if not teardowns:  # names DDP in its texts only (the error gallery runs error_cases.py)
+            continue
+        teardowns = [above[max(j for j, a in enumerate(above) if a.strip() == "finally:"):] for above in teardowns
+                     if any(a.strip() == "finally:" for a in above)]
+        assert teardowns and all(any("gc.collect()" in a for a in block) for block in teardowns), script.name
+        checked.append(script.name)
+    assert "mnist_spawn.py" in checked and len(checked) >= 10, checked
+    tree = ast.parse((REPO / "02_ddp_spawn/mnist_spawn.py").read_text())
+    worker = next(f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "main_worker")
+    assert "model" not in {n.id for n in ast.walk(worker) if isinstance(n, ast.Name)}
+
+
+def test_the_training_scripts_take_the_learning_rate_as_given():
+    """--lr reaches the optimizer unchanged, whatever the number of processes: no script scales it."""
+    scripts = [p for p in sorted(REPO.glob("0[1-7]_*/*.py")) if "add_training_flags(" in p.read_text()]
+    assert len(scripts) >= 8, scripts
+    for script in scripts:
+        assert set(re.findall(r"\S*\bargs\.lr\b\S*", script.read_text())) == {"lr=args.lr,"}, script.name
 
 
 def test_spawn_refuses_impossible_requests():
@@ -230,6 +315,8 @@ def test_timeline_all_reduce_overlaps_backward_only_with_several_buckets(tmp_pat
             events = trace["traceEvents"]
             assert any(e.get("name", "").startswith("autograd::engine::evaluate_function") for e in events), \
                 "not a torch.profiler trace"
+            assert any(e.get("ph") == "M" and e.get("args", {}).get("name", "").startswith("DDP timeline")
+                       for e in events), "the trace has no lane named DDP timeline"
             ours = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("compute", "allreduce")
                     and "(step " in e.get("name", "")]
             steps = {}

@@ -143,6 +143,36 @@ def test_port_taken_and_bad_file_paths_get_clear_errors(tmp_path):
     assert "already exists, left by an earlier job" in res.stderr
 
 
+def test_a_file_init_path_is_refused_only_once_it_is_older_than_a_minute(tmp_path):
+    """make's preflight refuses a file:// path left by an earlier job: one that exists and is older than 60 s."""
+    import time
+
+    from tools import course
+
+    init = tmp_path / "init"
+    course._check_init_method(f"file://{init}")  # new: fine
+    init.write_text("")
+    for age, refused in ((30, False), (90, True)):
+        os.utime(init, (time.time() - age, time.time() - age))
+        if refused:
+            with pytest.raises(course.UsageError, match="left by an earlier job"):
+                course._check_init_method(f"file://{init}")
+        else:
+            course._check_init_method(f"file://{init}")  # another rank of this job made it a moment ago
+
+
+def test_the_launch_scripts_take_a_free_port_and_wait_30_s_for_a_missing_node():
+    """README: the launch scripts pick a free port (the OS chooses: a bind to port 0); launch_torchrun_nodes.sh
+    passes a 30 s rendezvous limit unless JOIN_TIMEOUT is given (the missing-node test gives 5)."""
+    free = "s.bind((\"127.0.0.1\", 0))"
+    for script in ("launch_local.sh", "launch_torchrun_nodes.sh"):
+        source = (REPO / "04_multinode_tcp" / script).read_text()
+        assert free in source and "port=$(" in source, script
+    nodes = (REPO / "04_multinode_tcp/launch_torchrun_nodes.sh").read_text()
+    assert "join_timeout=${JOIN_TIMEOUT:-30}" in nodes
+    assert "timeout=$join_timeout" in nodes and "join_timeout=$join_timeout" in nodes, "static and c10d"
+
+
 def test_mnist_tcp_refuses_impossible_ranks():
     base = ["04_multinode_tcp/mnist_tcp.py", "--init-method", "tcp://127.0.0.1:1"]
     cases = [

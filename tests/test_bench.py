@@ -1,11 +1,13 @@
-"""The benchmarks: their shared statistics, and a smoke run of `make bench-quick` that must produce
-well-formed results (JSON, markdown, PNG) for every benchmark. Never a speed: tests do not time things."""
+"""The benchmarks: their shared statistics, the recorded results, and a smoke run of `make bench-quick` that must
+produce well-formed results (JSON, markdown, PNG) for every benchmark. No speed is judged here: a measured speed
+only has to be a finite, positive number."""
 
 import json
 import math
 import sys
 
 import pytest
+import torch
 
 import common
 from harness import REPO, make
@@ -95,6 +97,7 @@ def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, da
         assert data["bench"] == bench and data["quick"] is True
         machine = data["machine"]
         assert machine["cores"] >= 1 and machine["torch"] and machine["cpu"], machine
+        assert {"cpu_flags", "gpu", "gpus", "cuda", "backend"} <= set(machine), machine  # features, GPU, CUDA
         assert all(k in data for k in keys), f"{bench}: missing {[k for k in keys if k not in data]}"
         md = stem.with_suffix(".md").read_text()
         assert md.startswith("# ") and "| ---" in md, f"{bench}: no markdown table"
@@ -120,6 +123,8 @@ def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, da
     amp = json.loads(next(out.glob("amp_*.json")).read_text())
     lower = "bf16" if amp["config"]["device"] == "cpu" else "fp16"  # fp16 runs on every GPU; bf16 on CPUs here
     assert {f"{m}/{p}" for m in ("convnet", "resnet18") for p in ("fp32", lower)} <= set(amp["results"])
+    if amp["config"]["device"] == "cuda" and common.usable_gpus() and torch.cuda.get_device_capability() >= (8, 0):
+        assert {"convnet/tf32", "resnet18/tf32"} <= set(amp["results"]), "TF32 on a GPU that has it"
     assert all(math.isfinite(v) for v in amp["final_loss"].values())
 
     buckets = json.loads(next(out.glob("buckets_*.json")).read_text())
@@ -141,6 +146,106 @@ def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, da
     assert ops == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "ring_p2p"}
     assert all(row["latency_us"] > 0 and row["busbw_GBps"] > 0 for row in sweep["rows"])
     assert sweep["memcpy_GBps"] > 0
+
+
+RECORDS = REPO / "bench" / "results"
+
+
+def test_one_record_of_each_benchmark_is_kept_and_the_older_names_are_the_ones_the_readme_lists():
+    """bench/README.md: one run of each benchmark is recorded; amp's record has no backend part, backend_matrix's
+    machine part has no core count, the timeline is a folder of its own."""
+    for bench in ("throughput", "amp", "buckets", "allreduce_sweep", "comm_hooks", "memory", "versions",
+                  "stress_elastic", "stress_exit", "stress_free"):
+        assert len(list(RECORDS.glob(f"{bench}_*.json"))) == 1, bench
+    assert [p.name for p in RECORDS.glob("amp_*.json")] == ["amp_cpu2_2026-11-22.json"]
+    assert [p.name for p in RECORDS.glob("backend_matrix_*")] == ["backend_matrix_gloo_cpu_2026-11-22.md"]
+    assert (RECORDS / "timeline_gloo_cpu2" / "timeline.json").is_file()
+
+
+def test_results_go_to_runs_bench_which_git_ignores_unless_recorded():
+    import re
+
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^BENCH_OUT\s*\?=\s*runs/bench$", makefile, re.M)
+    assert "BENCH_OUT=$(if $(filter runs/bench,$(BENCH_OUT)),runs/bench/quick,$(BENCH_OUT))" in makefile  # quick
+    assert "runs/" in (REPO / ".gitignore").read_text().split()
+    assert re.search(r"^RUNS\s*\?=\s*10$", makefile, re.M)  # the stress targets' runs of each kind
+
+
+def test_the_recorded_ratios_were_taken_inside_each_round():
+    """throughput's ratios are medians of one ratio per round, not ratios of the medians; its .md table's "vs
+    plain" column is the other kind, a ratio of the medians."""
+    import re
+
+    import throughput
+
+    record = json.loads((RECORDS / "throughput_gloo_cpu2_2026-11-22.json").read_text())
+    rounds = record["per_round"]
+    sizes = [int(k[len("speedup_ws"):]) for k in record["ratios"] if k.startswith("speedup_ws")]
+    for key, _, ratio in throughput.ratio_definitions(torch.device("cpu"), sizes):
+        recorded = record["ratios"][key]["median"]
+        assert benchlib.summarize([ratio(r) for r in rounds])["median"] == pytest.approx(recorded), key
+    results = record["results"]
+    md = (RECORDS / "throughput_gloo_cpu2_2026-11-22.md").read_text()
+    for label, key in (("course data path", "course"), ("torchvision per-image loader", "torchvision"),
+                       ("nn.DataParallel", "dataparallel"), ("DDP ws 2, torchrun", "torchrun_ws2")):
+        shown = float(re.search(rf"^\| {re.escape(label)} \| [^|]+ \| ([\d.]+)x \|$", md, re.M)[1])
+        assert shown == round(results[key]["median"] / results["plain"]["median"], 2), label
+
+
+def test_warm_up_steps_are_not_timed():
+    calls = []
+
+    def step():
+        calls.append(1)
+        return 10  # images
+
+    images, seconds = benchlib.time_steps(step, warmup=2, steps=3, device=torch.device("cpu"))
+    assert len(calls) == 5 and images == 30 and seconds >= 0
+    for name in ("throughput_gloo_cpu2_2026-11-22.json", "amp_cpu2_2026-11-22.json",
+                 "buckets_gloo_cpu2_2026-11-22.json"):
+        assert json.loads((RECORDS / name).read_text())["config"]["warmup"] >= 1, name
+
+
+def test_resnet18s_last_convolutions_hold_more_than_5_mb_each():
+    """Why a 5 MB bucket cap gives fewer buckets than 45 MB / 5 MB: one such weight is bigger than the cap."""
+    net = common.resnet18_cifar()
+    last = [m for m in net.layer4.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3)]
+    assert len(last) == 4 and all(tuple(m.weight.shape) == (512, 512, 3, 3) for m in last[1:])
+    assert all(m.weight.numel() * 4 > 5 * 2**20 for m in last[1:])
+
+
+def test_gpu_check_rewrites_its_file_after_every_step_and_exits_1_if_a_step_failed(monkeypatch, tmp_path):
+    """A part stopped from outside keeps the steps it finished; a failed step's log goes to <name>_logs/; the limits
+    of one part add up to at most the figure bench/README.md gives."""
+    import shlex
+
+    import gpu_check
+
+    assert f"add up to at most {gpu_check.PART_LIMIT_S} s" in (REPO / "bench/README.md").read_text()
+    figures = [s for s in gpu_check.plan(8) if s.name in ("bench-amp", "bench-throughput", "bench-allreduce",
+                                                          "bench-buckets")]
+    assert len(figures) == 4 and all("--rounds 3" in " ".join(s.cmd) for s in figures), "the figures: 3 rounds"
+    before, log_dirs = [], []
+
+    def fake_step(step, log_dir, tag=None, py=None, linger=5.0):
+        written = sorted(tmp_path.glob("gpu_check_*.json"))
+        before.append([r["step"] for r in json.loads(written[0].read_text())["steps"]] if written else [])
+        log_dirs.append(log_dir)
+        passed = len(before) != 2
+        return {"step": step.name, "passed": passed, "why": None if passed else "exit code 1", "seconds": 0.1,
+                "timeout": step.timeout, "note": "", "command": shlex.join(step.cmd),
+                "log": None if passed else str(log_dir / f"{step.name}.log"), "final": {}}
+
+    monkeypatch.setattr(gpu_check, "run_step", fake_step)
+    monkeypatch.setattr(gpu_check, "can_make_netns", lambda: False)
+    monkeypatch.setattr(gpu_check.signal, "signal", lambda *args: None)
+    monkeypatch.chdir(REPO)
+    code = gpu_check.main(["--rehearse", "--gpus", "1", "--part", "targets-1", "--output-dir", str(tmp_path)])
+    steps = [s.name for s in gpu_check.parts(gpu_check.plan(1))["targets-1"]]
+    assert code == 1 and len(steps) >= 3
+    assert before == [steps[:i] for i in range(len(steps))], "the file holds every finished step, step by step"
+    assert {d.parent for d in log_dirs} == {tmp_path} and all(d.name.endswith("_logs") for d in log_dirs)
 
 
 def test_benchmarks_refuse_bad_input(tmp_path):

@@ -88,6 +88,20 @@ def test_the_course_reads_the_files_exactly_as_torchvision_does(standin_dir, dat
         assert torch.equal(ours.tensors[0], pixels)
 
 
+def test_the_scripts_read_real_data_and_standins_without_torchvision(tmp_path, monkeypatch):
+    """common.load_dataset, which every training script reads its data with, reads the files itself: with
+    torchvision not importable, real MNIST and CIFAR-10 files and both stand-ins load all the same."""
+    for root in (tmp_path, tmp_path / data.STANDIN_SUBDIR):  # where the real data sets live, and the stand-ins
+        standins.write_mnist_standin(root, sizes=(20, 10))
+        standins.write_cifar_standin(root, sizes=(20, 10))
+    (tmp_path / data.CIFAR_STANDIN_FOLDER).rename(tmp_path / "cifar-10-batches-py")  # real CIFAR-10's folder
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # `import torchvision` raises ImportError
+    with pytest.raises(ImportError):
+        import torchvision  # noqa: F401
+    for dataset in ("mnist", "cifar10", "mnist-standin", "cifar10-standin"):
+        assert [len(common.load_dataset(dataset, tmp_path, train=train)) for train in (True, False)] == [20, 10]
+
+
 def test_standins_are_deterministic_and_seed_dependent():
     a, la = standins.make_mnist_standin(64, seed=7)
     b, lb = standins.make_mnist_standin(64, seed=7)
@@ -180,6 +194,21 @@ def test_a_copied_common_downloads_each_real_dataset_with_its_own_class(tmp_path
     assert calls == [("MNIST", root, True, True), ("MNIST", root, False, True),
                      ("CIFAR10", root, True, True), ("CIFAR10", root, False, True)]
     assert (tmp_path / ".download.lock").exists()  # the machines sharing the folder took turns on it
+
+
+def test_the_course_downloads_real_data_through_torchvision_alone(tmp_path, monkeypatch):
+    """tools/data.py, which common.prepare_data asks in the course: MNIST and CIFAR-10 come from torchvision's own
+    classes, train and test split, into the data folder."""
+    import torchvision
+
+    calls = []
+    for name in ("MNIST", "CIFAR10"):
+        monkeypatch.setattr(torchvision.datasets, name, lambda root, train, download, name=name:
+                            calls.append((name, root, train, download)))
+    assert data.try_download("mnist", tmp_path) is None and data.try_download("cifar10", tmp_path) is None
+    root = str(tmp_path)
+    assert calls == [("MNIST", root, True, True), ("MNIST", root, False, True),
+                     ("CIFAR10", root, True, True), ("CIFAR10", root, False, True)]
 
 
 PREPARE_AT = """
@@ -298,6 +327,10 @@ def test_gpus_older_than_the_build_are_not_used(monkeypatch, capsys):
     assert common.usable_gpus() == 0
     assert common.device_and_backend("auto", "auto", procs_per_node=2) == (torch.device("cpu"), "gloo")
     assert "older than this torch build supports: Tesla P100, Tesla P100" in capsys.readouterr().out
+    monkeypatch.undo()
+    if torch.version.cuda == "13.0":  # the pinned build (docs/setup.md): kernels from compute capability 7.5 on
+        archs = [int(a[3:]) for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
+        assert min(archs) == 75 and 70 not in archs, archs
 
 
 def _parser():
@@ -472,6 +505,9 @@ def test_final_line_format_and_parsing():
                    "06_amp_syncbn/mnist_amp_syncbn.py", "06_amp_syncbn/cifar_resnet.py"):
         source = (REPO / script).read_text()  # one summary, its first fields in this order
         assert len(re.findall(r'print\(f"final: ', source)) == 1, script
+        assert "= common.device_and_backend(args.device" in source, script  # each chooses by itself (docs/setup.md)
+        if "init_process_group(" in source:  # and a DDP script binds its process to its GPU
+            assert "torch.cuda.set_device(device)" in source and 'device_id=device if backend == "nccl"' in source
         fields = r'print\(f"final: test_acc=\{[^}]+\} test_samples=\{[^}]+\} world_size=\{[^}]+\} '
         assert re.search(fields, source), script
     parsed = course.parse_lines("noise\n" + line + "\nfinal: test_acc=0.5000", "final")
@@ -598,6 +634,7 @@ def test_the_installed_wheel_has_no_mpi_backend():
     import torch.distributed as dist
 
     assert dist.is_gloo_available() and not dist.is_mpi_available()
+    assert dist.is_nccl_available() == (torch.version.cuda is not None)  # the CUDA build has NCCL, the CPU build not
 
 
 def test_a_gradscaler_without_a_device_warns_on_a_machine_without_cuda():
@@ -627,3 +664,6 @@ def test_training_flags_accept_the_notes_spellings():
     notes = parser.parse_args(["-e", "3", "-b", "16", "--num_epochs", "4", "--learning_rate", "0.5",
                                "--random_seed", "7", "--model_dir", "ck", "--batch_size", "8"])
     assert (notes.epochs, notes.batch_size, notes.lr, notes.seed, notes.checkpoint_dir) == (4, 8, 0.5, 7, "ck")
+    shared = {action.option_strings[0] for action in parser._actions if action.dest != "help"}  # docs/setup.md
+    assert shared == {"--epochs", "--batch-size", "--lr", "--dataset", "--data-dir", "--seed", "--max-steps",
+                      "--log-every", "--checkpoint-dir", "--device", "--backend", "--timeout"}

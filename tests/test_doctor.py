@@ -77,10 +77,13 @@ def test_the_corpus_of_user_scripts_gets_its_verdicts(tmp_path, case, bare):
     if case == "kaizhang-tutorial":
         assert "1 test sample(s) counted twice, 1002 counted for 1001" in res.stdout  # 1001 samples, padded
         assert "by up to 0.1 percentage points" in res.stdout and "Subset(" in res.stdout and "drop_last" in res.stdout
+        assert re.search(r"^  wrong   eval .*\(section 05\)$", res.stdout, re.M), res.tail()  # where the fix is taught
         assert "never called destroy_process_group()" in res.stdout
         assert "2 epoch(s)" in res.stdout and "verdict: WRONG: eval " in res.stdout
     if case in ("examples-trainer", "eval-without-no-grad"):
         assert "2 epoch(s)" in res.stdout, res.tail()  # the peek and the evaluations are no epochs
+    if case == "examples-trainer":  # exit code 0 with advice: advice and information do not count
+        assert found["timeout"] == "advice" and found["batch"] == "info", res.tail()
     if case == "crash-in-epoch-2":
         assert "verdict: FAILED: rank 1 failed: ValueError: labels out of range in batch 1 of epoch 2" in res.stdout
         assert 'raise ValueError(f"labels out of range' in res.stderr  # the failing rank's own last lines
@@ -119,3 +122,24 @@ def test_a_script_that_is_not_there_or_cannot_run_is_one_line(tmp_path):
     assert res.stderr.strip() == f"doctor: error: {tmp_path / 'nope.py'} is not a Python script"
     res = make("doctor", expect_rc=2)
     assert "name your script: make doctor SCRIPT=" in res.stderr
+
+
+def test_a_rank_that_aborts_only_at_exit_gets_advice_and_one_that_raised_fails():
+    """tools/doctor.py's finish check, on what a run left: every rank reached its end and left the group, and the
+    launcher reports rank 1 killed by SIGABRT (as Gloo's teardown can do at exit): advice, not FAILED. The same
+    exit with rank 1 stopped by an error of its own is a failure."""
+    from tools import doctor
+
+    def ranks(*of_rank_1):
+        began, ended = [{"ev": "init", "world_size": 2, "timeout": 60.0}], [{"ev": "destroy"}, {"ev": "exit"}]
+        return {0: began + ended, 1: [*began, *of_rank_1, *ended]}
+
+    summary = "[1]:\n  time      : 0\n  host      : x\n  rank      : 1 (local_rank: 1)\n  exitcode  : -6 (pid: 9)\n"
+    finish = {c.name: c for c in doctor.extra_checks(ranks(), 1, summary, REPO / "no-trace")}
+    assert finish["finish"].verdict == "advice" and "aborted (SIGABRT) after destroy_process_group()" in \
+        finish["finish"].message
+    assert "timeout" not in finish  # init_process_group got a timeout
+    failed = doctor.extra_checks(ranks({"ev": "error", "lines": ["ValueError: x"]}), 1, summary, REPO / "no-trace")
+    assert doctor.failure(ranks({"ev": "error", "lines": ["ValueError: x"]}), 1, summary, REPO / "no-trace") == \
+        ("rank 1 failed (signal 6)", 1)
+    assert {c.name: c.verdict for c in failed}["finish"] == "failed"

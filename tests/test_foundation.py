@@ -27,7 +27,7 @@ def test_make_smoke_trains_the_baseline(data_dir):
     (epoch,) = re.findall(r"^epoch 1/1: train_loss=(\S+) ", res.stdout, re.M)
     assert len(steps) == 120 and abs(float(epoch) - sum(steps) / 120) < 2e-4 and float(epoch) != steps[-1]
     assert final["world_size"] == 1 and final["epochs"] == 1 and final["dataset"] == "mnist-standin"
-    assert final["test_samples"] == TEST_IMAGES
+    assert final["test_samples"] == TEST_IMAGES == 1000  # the tests' stand-in: 1,000 of its 4,000 test images
     assert 0.9 < final["test_acc"] < 1.0, "120 steps should learn the stand-in well, but not perfectly"
 
 
@@ -87,6 +87,8 @@ def test_a_copied_chain_script_trains_another_dataset_and_model_in_an_empty_fold
                   env={**env, "COURSE_TRACE": str(project / "trace")}, timeout=180)
         assert res.final["test_samples"] == 128 and res.final["world_size"] == 2, res.tail()
         assert res.final["test_acc"] > 0.7 and "common.py from the copy" in res.stdout, res.tail()
+        assert len(re.findall(r"^epoch \d/2: train_loss=", res.stdout, re.M)) == 2, res.tail()  # rank 0 alone
+        assert re.search(r"^2 processes\b.* on (cpu|cuda) with (gloo|nccl)\b", res.stdout, re.M), res.tail()
         verdicts = {c.name: c.verdict for c in tracecheck.judge(project / "trace")}
         assert verdicts["shards"] == verdicts["order"] == verdicts["ddp"] == verdicts["eval"] == "ok", verdicts
     # the tcp step: two processes started by hand, with Kai Zhang's rank and world size alone (on one machine
@@ -97,9 +99,12 @@ def test_a_copied_chain_script_trains_another_dataset_and_model_in_an_empty_fold
     procs = [[PYTHON, copied, "--init-method", f"tcp://127.0.0.1:{port}", "--world-size", "2", "--rank", str(r),
               "--epochs", "2", "--timeout", "30"] for r in range(2)]
     res = run(["bash", "-c", f"{shlex.join(map(str, procs[1]))} & p1=$!; {shlex.join(map(str, procs[0]))}; a=$?; "
-               "wait $p1; echo exits $a $?"], cwd=project, timeout=180)
+               "wait $p1; echo exits $a $?"], cwd=project, env={**env, "COURSE_TRACE": str(project / "trace")},
+              timeout=180)
     assert "exits 0 0" in res.stdout and "rank 1 (local rank 1) of 2 joined via tcp://" in res.stdout, res.tail()
     assert res.final["test_samples"] == 128 and res.final["world_size"] == 2, res.tail()
+    verdicts = {c.name: c.verdict for c in tracecheck.judge(project / "trace")}
+    assert verdicts["shards"] == verdicts["order"] == verdicts["ddp"] == verdicts["eval"] == "ok", verdicts
 
 
 # Every script a README tells people to copy, what it imports besides itself, and the flags that pull that in
@@ -220,12 +225,97 @@ def test_ci_runs_the_readme_test_command():
 # ------------------------------------------------------------------ what the top README says about the setup
 
 
+def test_python_3_10_is_enough_as_the_readme_and_pyproject_say():
+    """README.md: "Python 3.10+". pyproject.toml asks for it, and every Python file of the course parses with
+    3.10's grammar (this interpreter may be newer)."""
+    import ast
+
+    assert re.search(r"^requires-python = \">=3\.10\"$", (REPO / "pyproject.toml").read_text(), re.M)
+    assert "Python 3.10+" in (REPO / "README.md").read_text()
+    files = [p for p in REPO.rglob("*.py") if not any(part.startswith(".") or part in ("data", "runs")
+                                                      for part in p.relative_to(REPO).parts[:-1])]
+    assert len(files) > 50
+    for path in files:
+        ast.parse(path.read_text(), str(path), feature_version=(3, 10))
+
+
+def test_each_section_readme_ends_with_its_pitfalls_and_its_differences_from_the_notes():
+    """README.md and docs/source-notes.md: each section README ends with where the course departs from the notes;
+    docs/troubleshooting.md: its pitfalls come just before (05's are its error gallery)."""
+    readmes = sorted(REPO.glob("0[0-9]_*/README.md"))
+    assert len(readmes) == 7
+    for readme in readmes:
+        headings = re.findall(r"^## (.+)$", readme.read_text(), re.M)
+        assert headings[-1] == "Differences from the source notes", readme
+        assert headings[-2] in ("Pitfalls", "The error gallery"), (readme, headings[-2])
+
+
+def test_make_test_runs_two_workers_and_test_fast_leaves_out_the_slow_tests_and_the_notebooks():
+    """docs/tests.md: `make test` runs the tests and the notebooks on 2 pytest workers (where pytest-xdist is
+    there); `make test-fast` runs the tests not marked slow, without the notebooks; `make distclean` also removes
+    the virtualenv and the data."""
+    makefile = (REPO / "Makefile").read_text()
+    recipe = lambda target: re.search(rf"^{target}:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)  # noqa: E731
+    test, fast = recipe("test"), recipe("test-fast")
+    assert 'echo "-n 2"' in test and "$(PYTEST) $$xd tests $$nb" in test and "notebooks $(NBVAL)" in test
+    assert fast.strip() == '$(PYTEST) tests -m "not slow" $(ARGS)'
+    assert re.search(r"^distclean: clean\b", makefile, re.M) and "rm -rf $(VENV) data" in recipe("distclean")
+
+
+def test_a_test_that_starts_three_ranks_waits_for_the_machine_to_itself(monkeypatch, tmp_path):
+    """harness.cores: under pytest-xdist a test that starts processes shares a lock with the other worker's; one
+    marked ranks(n) holds it alone. Without xdist there is nobody to share with."""
+    import fcntl
+
+    import harness
+
+    taken = []
+    monkeypatch.setattr(harness.fcntl, "flock", lambda file, mode: taken.append(mode))
+    monkeypatch.setattr(harness.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.delenv("PYTEST_XDIST_TESTRUNUID", raising=False)
+    with harness.cores(alone=True):
+        pass
+    assert taken == []
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", "run")
+    for alone in (False, True):
+        with harness.cores(alone):
+            pass
+    assert taken == [fcntl.LOCK_SH, fcntl.LOCK_EX]
+
+
+def test_no_numbered_script_imports_the_course_machinery_and_each_workaround_says_why():
+    """docs/tests.md: no script of a numbered folder imports workarounds.py or tools/; each gc.collect() before a
+    destroy_process_group() says why where it stands; each workaround in workarounds.py is a named call with a
+    docstring."""
+    import ast
+
+    scripts = sorted(REPO.glob("0[0-9]_*/*.py"))
+    assert len(scripts) >= 30
+    for script in scripts:
+        source = script.read_text()
+        tree = ast.parse(source)
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & {"tools", "workarounds"}, (script.name, sorted(imported))
+        lines = source.splitlines()
+        for i, line in enumerate(lines):
+            if line.strip().startswith("gc.collect()"):
+                assert "reference cycles" in " ".join(lines[max(0, i - 2):i + 1]), f"{script.name}:{i + 1}"
+    tree = ast.parse((REPO / "workarounds.py").read_text())
+    calls = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name != "enabled"]  # the switch
+    assert calls and all(ast.get_docstring(node) for node in calls)
+
+
 def test_setup_pins_the_matched_pair_and_this_is_it():
     import torch
     import torchvision
 
     pins = (REPO / "requirements.txt").read_text()
     assert "torch==2.14.1" in pins and "torchvision==0.29.1" in pins
+    dev = (REPO / "requirements-dev.txt").read_text()  # the course's .venv: its notebook and test tools on top
+    assert "-r requirements.txt" in dev and all(f"\n{tool}==" in dev for tool in ("pytest", "nbval", "jupytext"))
     if Path(sys.prefix) == REPO / ".venv":  # `make test PY=...` runs these tests with another torch
         assert torch.__version__.startswith("2.14.1") and torchvision.__version__.startswith("0.29.1")
 

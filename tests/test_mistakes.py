@@ -143,3 +143,15 @@ def test_single_node_targets_do_not_need_a_resolvable_host_name(data_dir):
     res = run(["unshare", "--uts", "sh", "-c", "hostname no-such-host-x7q2.invalid && exec make --no-print-directory "
                f"ddp-torchrun NPROC=2 EPOCHS=1 'ARGS=--max-steps 5 {STANDIN.format(data_dir)}'"], timeout=120)
     assert res.final["world_size"] == 2 and res.seconds < 90
+
+
+def test_the_make_targets_the_local_launchers_and_the_tests_bind_torchrun_to_127_0_0_1():
+    """The host-name trap above, without root: every torchrun or launch command of the Makefile, the local
+    multi-node launcher and the tests' own torchrun pass --local-addr 127.0.0.1."""
+    makefile = (REPO / "Makefile").read_text()
+    commands = [line for line in re.findall(r"^.*-m torch\.distributed\.(?:run|launch)\b.*$", makefile, re.M)
+                if "## " not in line]  # not a target's help text
+    commands += re.findall(r"^.*-m torch\.distributed\.run\b.*$",
+                           (REPO / "04_multinode_tcp/launch_torchrun_nodes.sh").read_text(), re.M)
+    assert len(commands) >= 5 and all("--local-addr 127.0.0.1" in line for line in commands), commands
+    assert TORCHRUN[-2:] == ["--local-addr", "127.0.0.1"]

@@ -1,8 +1,10 @@
 """README.zh-CN.md, the top README in Chinese for the readers of the source notes, cannot drift from README.md:
-both list the same make targets, the same commands and outputs (code blocks), the same links, and the same layout
-(the same folders and files in the same order, described in each README's own language)."""
+both list the same make targets, the same commands and outputs (code blocks), the same links, the same layout
+(the same folders and files in the same order, described in each README's own language), and the same numbers in
+their prose; the glossary, which only the Chinese README has, writes only numbers that CLAIMS.md backs."""
 
 import re
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,3 +108,63 @@ def test_the_check_sees_a_drift():
             for line in body.splitlines():
                 drifts("commands", chinese.replace(body, body.replace(line + "\n", "", 1), 1))
     drifts("outputs", chinese.replace("loss.backward()", "loss.backward(retain_graph=True)", 1))  # code edited
+
+
+# A number as prose writes it: 2, 03, 5.8, 2.14.1, the 10 of CIFAR-10, the 1 of world_size-1 (not the 2 of FSDP2).
+# Chinese characters are letters to \w, so the look-behind names ASCII only.
+NUMBER = re.compile(r"(?<![A-Za-z0-9_.])\d+(?:\.\d+)*")
+GLOSSARY = "\n## 术语表\n"  # the Chinese README's own last section: README.md has no counterpart
+# Numbers only the glossary writes that no CLAIMS.md row stated in README.zh-CN.md holds, each with what it counts.
+GLOSSARY_ONLY = {
+    "5": "step 5 of the MNIST chain (mnist_amp_syncbn.py), as docs/setup.md and 06's README number the steps",
+}
+
+
+def numbers(text: str) -> Counter:
+    """The numbers of a README's prose, tables and inline code: not its code blocks, link targets or list markers."""
+    text = re.sub(r"\]\([^)\s]*\)", "]", FENCE.sub("", text))
+    text = re.sub(r"^\s*(?:[-*+]|\d+[.)])\s", " ", text, flags=re.M)
+    return Counter(NUMBER.findall(text))
+
+
+def claim_rows(stated: str) -> list[list[str]]:
+    """The CLAIMS.md rows (their cells) whose stated in names this file."""
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")]
+             for line in read("CLAIMS.md").splitlines() if line.startswith("| ")]
+    return [c for c in cells if len(c) == 6 and stated in [s.strip() for s in c[2].split(",")]]
+
+
+def number_problems(english: str, chinese: str) -> list[str]:
+    """Where the Chinese README's numbers differ from the English one's: [] when they agree."""
+    mirrored, _, glossary = chinese.partition(GLOSSARY)
+    bad = [f"only README.md writes {n} ({k}x more)" for n, k in (numbers(english) - numbers(mirrored)).items()]
+    bad += [f"only README.zh-CN.md writes {n} ({k}x more)" for n, k in (numbers(mirrored) - numbers(english)).items()]
+    backed = set(numbers(english)) | set(GLOSSARY_ONLY)
+    backed |= {n for row in claim_rows("README.zh-CN.md") for n in NUMBER.findall(row[1])}
+    bad += [f"the glossary writes {n}, which no claim stated in README.zh-CN.md holds"
+            for n in numbers(glossary) if n not in backed]
+    return bad
+
+
+def test_both_readmes_write_the_same_numbers_and_the_glossary_only_backed_ones():
+    assert GLOSSARY in read("README.zh-CN.md")
+    assert number_problems(read("README.md"), read("README.zh-CN.md")) == []
+
+
+def test_every_recorded_number_of_readme_md_is_checked_in_the_chinese_readme_too():
+    """A row whose record proof puts a number in README.md names README.zh-CN.md as well, so that test_claims finds
+    that number in a Chinese sentence about the claim (the sentence's English words: tqdm, pytest, CUDA)."""
+    recorded = [c for c in claim_rows("README.md") if re.search(r"`bench/results/[^`]+ = [^`]+`", c[5])]
+    assert recorded, "README.md states a recorded number"
+    assert [c[0] for c in recorded if "README.zh-CN.md" not in c[2]] == []
+
+
+def test_a_number_changed_in_one_language_only_is_caught():
+    english, chinese = read("README.md"), read("README.zh-CN.md")
+    mirrored, _, glossary = chinese.partition(GLOSSARY)
+    prose = re.sub(r"\]\([^)\s]*\)", "]", FENCE.sub("", mirrored))  # what numbers() reads
+    for n in numbers(prose):  # every number of the mirrored part, changed once in the Chinese README only
+        changed = re.sub(rf"(?<![A-Za-z0-9_.]){re.escape(n)}(?![0-9]|\.[0-9])", "999", prose, count=1)
+        assert changed != prose and number_problems(english, changed + GLOSSARY + glossary), n
+    assert number_problems(english.replace("5.8 GB", "5.9 GB"), chinese)  # and in the English one only
+    assert number_problems(english, chinese.replace("约 25 MB", "约 52 MB"))  # a glossary number nothing backs
