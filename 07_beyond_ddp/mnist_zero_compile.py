@@ -3,7 +3,7 @@
 --zero   ZeroRedundancyOptimizer (ZeRO stage 1): each rank keeps the optimizer state of about 1/N of the
          parameters and updates only those, then broadcasts them. Weights and gradients stay whole on every rank.
          Saving has a trap: consolidate_state_dict() is a collective, so EVERY rank calls it before rank 0 saves;
-         called on rank 0 alone, it waits for the others until the timeout.
+         called on rank 0 alone, it waits for broadcasts the others never send: it hangs or fails.
 --compile torch.compile(ddp_model), after the wrap. Dynamo's DDPOptimizer cuts the graph at DDP's bucket
          boundaries so that each bucket's all-reduce still starts while backward runs; the first step pays for
          the compilation (seconds to minutes), a new input shape (an epoch's smaller last batch) compiles again.

@@ -9,7 +9,8 @@ backward pass. The two calls never match: both wait until --timeout (5 s here; G
 and the job fails.
 
 `with Join([model]):` around the loop fixes it: a rank whose data has ended answers the others' all-reduces with
-zeros until every rank has ended, and DDP divides by the ranks that really contributed. Join needs every
+zeros until every rank has ended (DDP still divides by the initial world size unless it is built with
+divide_by_initial_world_size=False: then by the ranks still training). Join needs every
 collective inside the loop to be join-aware (DDP and ZeroRedundancyOptimizer are; a plain dist.all_reduce in
 the loop is not: do that after the loop). A DistributedSampler avoids the problem for map-style data sets: it
 pads (or with drop_last=True, cuts) every rank to the same number of samples.
