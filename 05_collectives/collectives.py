@@ -151,17 +151,18 @@ def run_all(rank, ws, device, backend):
     table(rank, "barrier", "arrived", "passed", lambda r: "passed")
 
     objects = [{"epoch": 3, "note": "from rank 0"}] if rank == 0 else [None]
+    before = objects[0]
     dist.broadcast_object_list(objects, src=0)  # any picklable object; slower than tensors
-    table(rank, "broadcast_object_list(src=0)", "dict on rank 0" if rank == 0 else "None", objects[0],
-          lambda r: {"epoch": 3, "note": "from rank 0"})
+    table(rank, "broadcast_object_list(src=0)", before, objects[0], lambda r: {"epoch": 3, "note": "from rank 0"})
 
     everyone = [None] * ws
     dist.all_gather_object(everyone, f"host-of-{rank}")
     table(rank, "all_gather_object", f"host-of-{rank}", everyone, lambda r: [f"host-of-{i}" for i in range(ws)])
 
+    jobs = [f"job for {i}" for i in range(ws)] if rank == 0 else None
     got = [None]
-    dist.scatter_object_list(got, [f"job for {i}" for i in range(ws)] if rank == 0 else None, src=0)
-    table(rank, "scatter_object_list(src=0)", "-", got[0], lambda r: f"job for {r}")
+    dist.scatter_object_list(got, jobs, src=0)  # item i of rank 0's list goes to rank i
+    table(rank, "scatter_object_list(src=0)", jobs if rank == 0 else "(nothing)", got[0], lambda r: f"job for {r}")
 
 
 def main():

@@ -1,17 +1,17 @@
 """Data parallelism by hand: broadcast the initial weights, all_reduce the gradients, step.
 
-This is what DistributedDataParallel does (minus its buckets and overlap). The script trains the
-same model both ways on the same data and shows that the weights agree.
+This is what DistributedDataParallel does (minus its buckets and overlap). The script trains the same model both
+ways on the same data and prints a digest of every rank's weights, both ways, and their largest difference. Gloo
+on the CPU, or NCCL on GPUs when there is one GPU per process (--backend picks).
 
     torchrun --standalone --nproc-per-node 2 05_collectives/ddp_from_scratch.py
     make ddp-from-scratch NPROC=2
-
-Gloo on the CPU, or NCCL on GPUs when there is one GPU per process (--backend picks).
 """
 
 import argparse
 import gc
 import os
+import zlib
 from datetime import timedelta
 
 import torch
@@ -35,6 +35,11 @@ def train(model, rank, steps, sync_by_hand, device):
                 p.grad /= dist.get_world_size()
         optimizer.step()
     return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def digest(weights) -> str:
+    """A short fingerprint of a weight vector (a CRC-32 of its bytes): equal digests, equal weights."""
+    return f"{zlib.crc32(weights.cpu().numpy().tobytes()):08x}"
 
 
 def main():
@@ -73,9 +78,13 @@ def main():
         dist.broadcast(spread, src=0)
         same_everywhere = torch.tensor([float(torch.equal(spread, mine))], device=device)
         dist.all_reduce(same_everywhere, op=dist.ReduceOp.MIN)
+        held = [None] * ws
+        dist.all_gather_object(held, (digest(mine), digest(theirs)))  # what every rank holds, for rank 0 to show
         if rank == 0:
             print(f"{ws} ranks, backend {backend}, device {device.type}: {args.steps} SGD steps on different data "
                   "per rank")
+            for r, (hand, wrapped) in enumerate(held):
+                print(f"  rank {r}: weights digest by hand {hand}, with DistributedDataParallel {wrapped}")
             print(f"  by hand: weights identical on all ranks: {bool(same_everywhere.item())}")
             print(f"  by hand vs DistributedDataParallel: max |difference| = {diff.item():.2e}")
             print(f"result: max_diff={diff.item():.3e} allclose={torch.allclose(mine, theirs, atol=1e-6)}")

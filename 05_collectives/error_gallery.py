@@ -149,6 +149,17 @@ def wordings(message: str | tuple[str, ...]) -> tuple[str, ...]:
     return (message,) if isinstance(message, str) else message
 
 
+def ended(launch: Launch) -> str:
+    """How each rank of one variant ended: its exit code (-9: stopped by the driver) and the type of the last
+    exception it printed, if any, e.g. "rank 0 exit 1 RuntimeError, rank 1 exit 0"."""
+    said = []
+    for rank, code in enumerate(launch.codes):
+        lines = [ln.split(" ", 1)[1] for ln in launch.output.splitlines() if ln.startswith(f"[rank{rank}] ")]
+        kinds = [m[1] for ln in lines if (m := re.match(r"([\w.]+(?:Error|Exception)): ", ln))]
+        said.append(f"rank {rank} exit {code}" + (f" {kinds[-1]}" if kinds else ""))
+    return ", ".join(said)
+
+
 def report(name: str, broken: Launch, fixed: Launch) -> bool:
     """Says what one case did; True when it behaved as described."""
     message = CASES[name][1]
@@ -168,6 +179,7 @@ def report(name: str, broken: Launch, fixed: Launch) -> bool:
               f"{'failed as it should' if rc_b and quoted else 'DID NOT FAIL AS EXPECTED'}"
               f" ({sec_b:.0f} s), fixed {'ran' if rc_f == 0 else 'FAILED'} ({sec_f:.0f} s)")
     print(f"    message: {_shorten(quoted or '(not found)')}")
+    print(f"    ranks:   broken {ended(broken)}; fixed {ended(fixed)}")
     for line in (ln.split(" ", 1)[1] for ln in out_f.splitlines() if " " in ln):
         if line.startswith(("fixed", "Join", "forward_sync", "every rank", "all_reduce", "the all_reduce",
                             "rank 0 wrote", "uneven")):

@@ -1,7 +1,12 @@
 """Section 05: point-to-point and collective communication, exact evaluation, hangs made visible."""
 
 import ast
+import math
 import re
+import sys
+import types
+import zlib
+from functools import reduce
 
 import pytest
 import torch
@@ -16,14 +21,98 @@ GLOO_CPU_FAILS = {("all_reduce AVG", "int64"), ("all_reduce BAND", "float32"), (
                   ("all_gather, uneven sizes", "int64")}
 
 
+def first_line(out: str) -> str:
+    """The first line a script printed, after make's echo of the command that started it (and of the echo's indented
+    continuation), the device policy's NOTE (a run that leaves GPUs unused says so first) left out."""
+    lines = out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if "torch.distributed.run" in ln) + 1
+    return next(ln for ln in lines[start:] if ln.strip() and not ln.startswith((" ", "NOTE: ")))
+
+
+def rank_tables(out: str) -> dict[str, list[tuple]]:
+    """Every table the script printed, title -> [(before, after) of rank 0, 1, ...]: a title line (collectives.py
+    adds its own verdict in brackets, dropped here) followed by one `    rank r: BEFORE -> AFTER` line per rank. A
+    value is read as a Python literal ([1.0, 2.0], {'epoch': 3}), or kept as the text it is (host-of-0)."""
+
+    def value(text):
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
+
+    found = {}
+    for title, block in re.findall(r"^(\S.*)\n((?:    rank \d+: .*(?:\n|$))+)", out, re.M):
+        rows = [re.fullmatch(r"    rank (\d+): (.*?)\s+-> (.*)", line).groups() for line in block.splitlines()]
+        assert [int(r) for r, _, _ in rows] == list(range(len(rows))), block
+        found[re.sub(r"  \[[^\]]*\]$", "", title)] = [(value(b), value(a)) for _, b, a in rows]
+    return found
+
+
+REDUCE = {"SUM": sum, "PRODUCT": math.prod, "MIN": min, "MAX": max, "AVG": lambda v: sum(v) / len(v),
+          "BAND": lambda v: reduce(lambda a, b: a & b, v), "BOR": lambda v: reduce(lambda a, b: a | b, v),
+          "BXOR": lambda v: reduce(lambda a, b: a ^ b, v)}
+
+
+def expected_after(title: str, before: list) -> list:
+    """What every rank must hold after the op, from the op's definition and every rank's printed input."""
+    n = len(before)
+    op = title.split("(")[0]
+    if op == "broadcast" or op == "broadcast_object_list":
+        return [before[0]] * n
+    if op == "reduce":  # only rank 0's result is specified: elementwise sum of every rank's tensor
+        return [[sum(col) for col in zip(*before, strict=True)]] + [None] * (n - 1)
+    if op == "all_reduce":
+        fn = REDUCE[title.split("(")[1].split(",")[0]]
+        return [[fn([b[0] for b in before])]] * n
+    if op == "gather":
+        return [before] + ["(nothing)"] * (n - 1)
+    if op == "all_gather":
+        return [before] * n
+    if op == "all_gather_single":
+        return [[v for b in before for v in b]] * n
+    if op == "scatter":
+        return [before[0][r] for r in range(n)]
+    if op == "reduce_scatter":  # rank j: the sum of every rank's piece j
+        return [[sum(before[r][j][0] for r in range(n))] for j in range(n)]
+    if op == "reduce_scatter_single":
+        return [[sum(before[r][j] for r in range(n))] for j in range(n)]
+    if op in ("all_to_all", "all_to_all_single"):  # a transpose: rank j gets piece j of every rank
+        return [[before[r][j] for r in range(n)] for j in range(n)]
+    if op == "barrier":
+        return ["passed"] * n
+    if op == "all_gather_object":
+        return ["[" + ", ".join(before) + "]"] * n
+    if op == "scatter_object_list":  # rank 0's list, printed as [job for 0, job for 1, ...]
+        return before[0][1:-1].split(", ")
+    raise AssertionError(f"no closed form for {title}")
+
+
+def close(got, want) -> bool:
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(map(close, got, want))
+    if isinstance(want, (int, float)) and isinstance(got, (int, float)):
+        return math.isclose(got, want, rel_tol=1e-6)
+    return got == want
+
+
 def check_collectives(out: str, nproc: int, backend: str):
-    assert f"{nproc} ranks, backend {backend}" in out
-    assert "result: all collectives correct" in out
-    assert "[WRONG]" not in out
-    checked = re.findall(r"^(\S.*)  \[OK\]$", out, re.M)
-    # broadcast, 8 all_reduce ops, 9 other tensor ops, 3 object ops; NCCL has no bitwise reductions
+    assert first_line(out).startswith(f"{nproc} ranks, backend {backend}, device "), out
+    tables = rank_tables(out)
+    # broadcast, reduce, 8 all_reduce ops, 9 other tensor ops, barrier, 3 object ops; NCCL has no bitwise reductions
     bitwise = re.findall(r"^all_reduce\((BAND|BOR|BXOR)\)  \[not supported by nccl: not run\]$", out, re.M)
-    assert (len(checked), len(bitwise)) == ((21, 0) if backend == "gloo" else (18, 3)), checked
+    assert (len(tables), len(bitwise)) == ((22, 0) if backend == "gloo" else (19, 3)), sorted(tables)
+    for title, rows in tables.items():
+        before, after = [b for b, _ in rows], [a for _, a in rows]
+        assert len(rows) == nproc, (title, rows)
+        if title.split("(")[0] in ("broadcast", "reduce", "all_reduce", "gather", "all_gather", "all_gather_single",
+                                   "reduce_scatter", "reduce_scatter_single", "all_to_all", "all_to_all_single"):
+            assert len({str(b) for b in before}) == nproc, ("every rank puts in something else", title, before)
+        want = expected_after(title, before)
+        for r in range(nproc):
+            if want[r] is not None:  # None: reduce's other ranks, which PyTorch leaves unspecified
+                assert close(after[r], want[r]), (title, r, after[r], want[r])
+    # and the script's own check, which a learner reads, agrees
+    assert "result: all collectives correct" in out and "[WRONG]" not in out
 
 
 @pytest.mark.slow  # 3 processes, none of them training: no ranks mark, they share the cores as 2 training ones do
@@ -47,8 +136,16 @@ def test_every_collective_on_nccl():
 @pytest.mark.slow  # 3 processes, none of them training: no ranks mark, they share the cores as 2 training ones do
 def test_point_to_point_and_the_ring():
     out = make("p2p", "NPROC=3", timeout=120).stdout
-    assert re.search(r"rank 1: \[1\.0\]\s+-> \[100\.0\]", out), out
-    assert "result: ring correct" in out
+    assert first_line(out).startswith("3 ranks, backend "), out  # the backend it chose, first
+    tables = list(rank_tables(out).values())  # send/recv, isend/irecv, the ring: what each rank held before, after
+    assert len(tables) == 3 and all(len(rows) == 3 for rows in tables), out
+    for rows in tables[:2]:  # rank 0 adds 100 and sends it to rank 1; rank 2 takes no part
+        (b0, a0), (_, a1), (b2, a2) = rows
+        assert a0 == a1 == [b0[0] + 100] and a2 == b2, rows
+    sent = [b for b, _ in tables[2]]
+    assert len({s[0] for s in sent}) == 3, sent  # a different value on every rank
+    assert [a for _, a in tables[2]] == [sent[(r - 1) % 3] for r in range(3)], tables[2]  # rank r gets rank r - 1's
+    assert "result: ring correct" in out  # and the script's own check agrees
 
 
 @pytest.mark.slow
@@ -93,9 +190,33 @@ def test_exact_evaluation_vs_the_padded_count(data_dir):
 @pytest.mark.slow
 def test_ddp_from_scratch_equals_ddp():
     out = make("ddp-from-scratch", "NPROC=2", timeout=120).stdout
-    assert "weights identical on all ranks: True" in out
+    assert first_line(out).startswith("2 ranks, backend "), out  # the backend it chose, first
+    held = re.findall(r"^  rank (\d): weights digest by hand (\w+), with DistributedDataParallel (\w+)$", out, re.M)
+    assert [int(r) for r, _, _ in held] == [0, 1], out
+    by_hand, with_ddp = {h for _, h, _ in held}, {d for _, _, d in held}
+    assert len(by_hand) == 1 and len(with_ddp) == 1, held  # every rank holds the same weights, either way
     m = re.search(r"result: max_diff=(\S+) allclose=True", out)
     assert m and float(m.group(1)) < 1e-6
+    if "device cpu" in out:  # the CPU's float arithmetic, reproduced here in one process to the last bit
+        # what data parallelism must give: rank 0's initial weights, then 20 SGD steps on the average of the
+        # gradients of each rank's own batches (rank r's data: a generator seeded 100 + r)
+        torch.manual_seed(0)
+        model = common.ToyModel()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        data = [torch.Generator().manual_seed(100 + r) for r in range(2)]
+        for _ in range(20):
+            grads = []
+            for g in data:
+                x, y = torch.randn(16, 10, generator=g), torch.randn(16, 5, generator=g)
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
+                p.grad = (g0 + g1) / 2
+            optimizer.step()
+        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+        assert by_hand == with_ddp == {f"{zlib.crc32(weights.numpy().tobytes()):08x}"}, held
+    assert "weights identical on all ranks: True" in out  # and the script's own check agrees
 
 
 @pytest.mark.slow
@@ -106,13 +227,18 @@ def test_hang_demo_fails_fast_and_names_the_problem():
     assert res.output.count("failed in seconds, as it should") == 2
     assert "Detected mismatch between collectives on ranks" in res.output
     assert "OpType=ALLREDUCE" in res.output and "OpType=BARRIER" in res.output
-    assert "Ranks 1 failed to pass monitoredBarrier" in res.output
+    assert "Ranks 1 failed to pass monitoredBarrier in 5000 ms" in res.output  # half the group's 10 s
+    # each run's first line, right after make's heading for it, names the backend the script chose
+    for mode in ("mismatch", "straggler"):
+        heading = re.search(rf"^--- \d/2 .*\n(?:NOTE: .*\n)?(mode {mode}, backend \w+, )", res.stdout, re.M)
+        assert heading, res.stdout
 
 
 @pytest.mark.slow
 def test_backend_matrix_measures_the_gloo_cpu_marks(tmp_path):
     res = make("backend-matrix", "BACKEND=gloo", f"ARGS=--output-dir {tmp_path}", timeout=120)
     assert "backend gloo on cpu" in res.stdout  # Gloo means CPU tensors here, on any machine
+    assert first_line(res.stdout).startswith("2 ranks, backend gloo, device cpu, "), res.stdout
     written = list(tmp_path.glob("backend_matrix_gloo_cpu_*.md"))
     assert len(written) == 1
     rows = {}
@@ -127,6 +253,22 @@ def test_backend_matrix_measures_the_gloo_cpu_marks(tmp_path):
             assert mark == expected, (op, dtype, mark)
 
 
+# what each case's broken run must end with, on one rank at least: the exception's type and a pattern of its message
+# (None: it runs); written out here, not taken from error_cases.CASES
+GLOO_TIMEOUT = "Timed out waiting|Application timeout caused pair closure"  # in the words of whichever rank
+GALLERY = {
+    "unused-parameters": ("RuntimeError", "Expected to have finished reduction in the prior iteration"),
+    "uneven-inputs": ("RuntimeError", GLOO_TIMEOUT),
+    "inplace-buffers": (None, ""),
+    "different-models": ("RuntimeError", "appears not to match sizes of the same param in process 0"),
+    "no-process-group": ("ValueError", "Default process group has not been initialized, please make sure to call "
+                                       "init_process_group"),
+    "after-destroy": ("ValueError", "Default process group has not been initialized"),
+    "racing-checkpoint": ("RuntimeError", "torn checkpoint: .* loads, but its weights mix the ranks' writes"),
+    "eval-through-wrapper": ("RuntimeError", GLOO_TIMEOUT),
+}
+
+
 @pytest.mark.slow
 # four cases at a time, broken and fixed side by side: 16 light forked ranks that train nothing and mostly wait on
 # 5 s timeouts, so the gallery shares the cores like a 2-rank run
@@ -134,26 +276,26 @@ def test_error_gallery_makes_each_error_and_its_fix_runs():
     res = make("errors", timeout=300, expect_rc=None)
     assert res.returncode == 0, res.stdout + res.stderr  # all of it: which case failed, and its ranks' output
     out = res.stdout
-    sections = dict(re.findall(r"^--- (\S+): (.*)$", out, re.M))
-    assert len(sections) == 8, out
-    for name, verdict in sections.items():
-        assert "fixed ran" in verdict, (name, out)
-        if name == "inplace-buffers":  # torch 2.14 no longer raises the in-place error of older versions
-            assert verdict.startswith("broken RAN"), out
-        else:
-            assert verdict.startswith("broken failed as it should"), (name, out)
-    messages = re.findall(r"^    message: (.*)$", out, re.M)
-    for text in ("Expected to have finished reduction in the prior iteration",
-                 "appears not to match sizes of the same param in process 0",
-                 "Default process group has not been initialized", "torn checkpoint"):
-        assert any(text in m for m in messages), (text, messages)
-    # uneven loop, empty evaluation: Gloo's timeout, in the words of whichever side notices it first
-    timeouts = ("Timed out waiting", "Application timeout caused pair closure")
-    assert sum(any(t in m for t in timeouts) for m in messages) == 2, messages
+    # per case: its heading, the message it quoted from the broken run, how each rank of both runs ended
+    cases = {name: (int(seconds), message, ranks) for name, seconds, message, ranks in re.findall(
+        r"^--- (\S+): broken .*?\((\d+) s\), fixed .*\n    message: (.*)\n    ranks:   (.*)$", out, re.M)}
+    assert list(cases) == list(GALLERY), out
+    for name, (seconds, message, ranks) in cases.items():
+        broken, fixed = (dict(re.findall(r"rank (\d) exit (-?\d+(?: [\w.]+)?)", part))
+                         for part in ranks.split("; fixed "))  # rank -> its exit code and its exception's type
+        assert fixed == {"0": "0", "1": "0"}, (name, ranks)  # the fix runs on both ranks
+        kind, pattern = GALLERY[name]
+        if kind is None:  # torch 2.14 no longer raises the in-place error of older versions: both ranks run
+            assert broken == {"0": "0", "1": "0"}, (name, ranks)
+            continue
+        assert f"1 {kind}" in broken.values(), (name, ranks)  # a rank exited with 1 on this exception
+        assert message.startswith(f"{kind}: ") and re.search(pattern, message), (name, message)
+        if pattern == GLOO_TIMEOUT:  # it hung until the group's 5-second timeout
+            assert seconds >= 5, (name, seconds)
     assert "Join: rank 0 ran 3 steps, rank 1 ran 2, and both finished" in out
     assert "fixed:   uneven evaluation batches (3 and 1) through the wrapper: fine; metrics 8" in out
     assert "fixed:   rank 0 wrote, every rank read the weights of rank 0: all 0" in out
-    assert "result: 8 of 8 cases behave as described" in out
+    assert "result: 8 of 8 cases behave as described" in out  # and the gallery's own verdict agrees
 
 
 @pytest.mark.slow
@@ -199,6 +341,93 @@ def test_the_scripts_are_plain_pytorch_without_the_course_machinery():
         imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                      if isinstance(node, ast.ImportFrom) and node.module}
         assert not imported & {"tools", "workarounds"}, (script.name, sorted(imported))
+
+
+def calls_in(tree, name: str) -> list[ast.Call]:
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == name]
+
+
+def test_every_group_here_names_its_backend_and_waits_a_minute_at_most():
+    """README: every group this section starts has a timeout, `--timeout` from 10 to 60 seconds by default (5 and
+    30 seconds in error_cases.py), and names its backend."""
+    defaults = []
+    for script in sorted((REPO / "05_collectives").glob("*.py")):
+        source = script.read_text()
+        tree = ast.parse(source)
+        for call in calls_in(tree, "init_process_group") + calls_in(tree, "new_group"):
+            keywords = {k.arg for k in call.keywords}
+            assert "timeout" in keywords, (script.name, ast.unparse(call))
+            assert call.args or "backend" in keywords, (script.name, ast.unparse(call))
+        if calls_in(tree, "init_process_group") and script.name != "error_cases.py":
+            defaults.append(float(re.search(r'add_argument\("--timeout", type=float, default=([\d.]+)', source)[1]))
+    assert (min(defaults), max(defaults)) == (10, 60), defaults
+    constants = {node.targets[0].id: node.value.value for node in ast.parse(
+        (REPO / "05_collectives/error_cases.py").read_text()).body if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Constant)}
+    assert (constants["TIMEOUT"], constants["PATIENT"]) == (5, 30)
+
+
+def test_the_scripts_end_with_a_barrier_and_none_skips_its_teardown_with_os_exit():
+    """README, "Setting up and shutting down": the scripts end their normal path with a dist.barrier() before
+    destroy_process_group (hang_demo.py fails on purpose before it gets there), and the os._exit guard is gone: only
+    the gallery's driver calls it, in the workers it forks (a forked child must not run its parent's exit code)."""
+    for script in sorted((REPO / "05_collectives").glob("*.py")):
+        source = script.read_text()
+        assert len(calls_in(ast.parse(source), "_exit")) == (script.name == "error_gallery.py"), script.name
+        if "dist.destroy_process_group()" in source and script.name != "hang_demo.py":
+            assert "dist.barrier()  # every rank finishes its work before any tears the group down" in source, script
+
+
+def test_distributed_eval_runs_on_the_cpu_with_gloo_on_any_machine():
+    source = (REPO / "05_collectives/distributed_eval.py").read_text()
+    inits = calls_in(ast.parse(source), "init_process_group")
+    assert [ast.literal_eval(call.args[0]) for call in inits] == ["gloo"]
+    assert not re.search(r"cuda|--device|--backend|device_and_backend", source)  # no way to another device
+
+
+def test_backend_matrix_gives_each_op_a_fresh_group_and_agrees_on_the_default_one():
+    """README: each op runs in a fresh process group, so that a failing op cannot disturb the next one's group;
+    the ranks then agree on the mark over the default group."""
+    tree = ast.parse((REPO / "05_collectives/backend_matrix.py").read_text())
+    loop = next(node for node in ast.walk(tree) if isinstance(node, ast.For) and ast.unparse(node.iter) == "DTYPES")
+    body = ast.unparse(loop)
+    assert re.match(r"for dtype in DTYPES:\n    group = dist\.new_group\(", body), body  # first, for every op
+    assert body.rstrip().endswith("dist.destroy_process_group(group)"), body  # and gone after it
+    mark = [call for call in calls_in(loop, "all_reduce") if ast.unparse(call.args[0]) == "flag"]
+    assert len(mark) == 1 and "group" not in {k.arg for k in mark[0].keywords}, body  # over the default group
+
+
+def test_the_gallery_exits_1_when_a_case_misbehaves_and_runs_only_the_cases_asked_for(monkeypatch, capsys):
+    """README: `make errors` exits with 1 if any case behaves otherwise than described; `--cases` runs some of the
+    cases. The driver itself, with variants that end at once as told (no process starts)."""
+    monkeypatch.syspath_prepend(str(REPO / "05_collectives"))
+    import error_gallery
+
+    said = ("[rank1] RuntimeError: [1]: params[0] in this process with sizes [12, 10] appears not to match sizes of "
+            "the same param in process 0.")
+    outcomes = {"broken": ([1, 1], said), "fixed": ([0, 0], "[rank0] every rank built the same model")}
+
+    class Ended:
+        def __init__(self, name, variant, port):
+            self.codes, self.output = outcomes[variant]
+            self.code, self.seconds = max(self.codes), 0.0
+
+        def poll(self):
+            return True
+
+    monkeypatch.setattr(error_gallery, "Launch", Ended)
+    # the driver imports torch._dynamo once for its forked workers (a second and more): none fork here
+    monkeypatch.setitem(sys.modules, "torch._dynamo", sys.modules.get("torch._dynamo", types.ModuleType("_dynamo")))
+    monkeypatch.setattr(sys, "argv", ["error_gallery.py", "--cases", "different-models"])
+    assert error_gallery.main() == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"^--- (\S+):", out, re.M) == ["different-models"], out
+    assert "ranks:   broken rank 0 exit 1, rank 1 exit 1 RuntimeError; fixed rank 0 exit 0, rank 1 exit 0" in out
+    assert "result: 1 of 1 cases behave as described" in out, out
+    outcomes["broken"] = ([0, 0], "")  # the broken variant runs: not what the case describes
+    assert error_gallery.main() == 1
+    assert "result: 0 of 1 cases behave as described; NOT: different-models" in capsys.readouterr().out
 
 
 @pytest.mark.slow

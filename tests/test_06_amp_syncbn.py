@@ -131,9 +131,55 @@ def test_cifar_resnet_short_run_with_accumulation(tmp_path):
     ranks = tracecheck.load(tmp_path / "trace")
     assert {rank: sum(e["ev"] == "no_sync" for e in events) for rank, events in ranks.items()} == {0: 2, 1: 2}
     state = torch.load(tmp_path / "ck" / "cifar_resnet.pt", weights_only=True)
-    assert state["epoch"] == 1 and "scaler" in state
+    assert state["epoch"] == 1 and {"model", "optimizer", "scaler"} <= set(state), sorted(state)
     group = state["optimizer"]["param_groups"][0]  # SGD with momentum 0.9 and weight decay 5e-4, as the README says
     assert (group["momentum"], group["weight_decay"]) == (0.9, 5e-4)
+
+
+def test_make_cifar_resnet_runs_one_epoch_of_25_steps_unless_epochs_is_given():
+    recipe = re.search(r"^cifar-resnet:.*\n\t(.*)$", (REPO / "Makefile").read_text(), re.M)[1]
+    assert "06_amp_syncbn/cifar_resnet.py $(if $(EPOCHS),,--epochs 1 --max-steps 25) $(DIST_ARGS)" in recipe, recipe
+
+
+def test_cifar_resnet_takes_real_cifar10_when_it_is_there_and_the_standin_otherwise(tmp_path, monkeypatch):
+    """cifar_resnet.py's --dataset auto (its data family cifar10), offline: the stand-in; with CIFAR-10's files on
+    disk, the real data set."""
+    from tools import data
+
+    monkeypatch.setattr(data, "try_download", lambda *a, **k: "URLError: no network")
+    monkeypatch.setattr(data, "_standin_damage", lambda *a: None)  # the stand-in taken as written: none generated
+    assert common.prepare_data("auto", tmp_path, family="cifar10") == "cifar10-standin"
+    for name in data.REAL_FILES["cifar10"]:  # where torchvision puts CIFAR-10 (python version)
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).touch()
+    assert common.prepare_data("auto", tmp_path, family="cifar10") == "cifar10"
+
+
+def test_the_all_reduce_batch_norm_makes_one_all_reduce_in_forward_and_one_in_backward(monkeypatch):
+    """syncbn_by_hand.AllReduceBatchNorm2d, with all_reduce counted (one rank: the sum over ranks is the tensor
+    itself): the forward all-reduces [sum(x), sum(x*x), count] per channel once, the backward its gradient once,
+    and the outputs and input gradients are BatchNorm2d's on the batch."""
+    monkeypatch.syspath_prepend(str(REPO / "06_amp_syncbn"))
+    import syncbn_by_hand
+
+    reduced = []
+    monkeypatch.setattr(syncbn_by_hand.dist, "all_reduce", lambda t, *a, **k: reduced.append(t.detach().clone()))
+    x = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(0)) * 2 + 1
+    mine, plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+    layer, reference = syncbn_by_hand.AllReduceBatchNorm2d(3), torch.nn.BatchNorm2d(3)
+    out = layer(mine)
+    assert len(reduced) == 1, "one all_reduce in forward, for all three statistics"
+    assert torch.allclose(reduced[0], torch.cat([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3)), torch.tensor([100.0])]))
+    out.pow(2).sum().backward()
+    assert len(reduced) == 2, "and one in backward: the statistics' gradient"
+    reference(plain).pow(2).sum().backward()
+    assert torch.allclose(out, reference(x), atol=1e-5) and torch.allclose(mine.grad, plain.grad, atol=1e-4)
+
+
+def test_no_gpu_result_is_recorded_yet():
+    """README: a cuda test holds nn.SyncBatchNorm to account, but no GPU result is recorded here yet (`make
+    gpu-check RECORD=1` would write bench/results/gpu_check_*): a record must change that sentence."""
+    assert not list((REPO / "bench" / "results").glob("gpu_check_*"))
 
 
 def test_augment_cifar_crops_and_flips_whole_batches(monkeypatch):
