@@ -111,8 +111,26 @@ def seed_everything(seed: int) -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it; another program could still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that is free now, for rank 0's store to listen on a moment later.
+
+    Not one the OS hands out (bind to port 0): those come from its range for outgoing connections, so any
+    connection made meanwhile (Gloo opens many) can take it before rank 0 listens. A random free port below that
+    range can only be taken by a program that asks for that very number."""
+    low = 32768  # Linux's default start of the range; /proc says where it starts here
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    pick = random.SystemRandom()  # not the seeded `random`: every run, and every test, its own port
+    for _ in range(50 if low > 11000 else 0):
+        port = pick.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a range set unusually low: the OS's choice
         s.bind((host, 0))
         return s.getsockname()[1]
 

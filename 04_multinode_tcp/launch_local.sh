@@ -24,7 +24,7 @@ world=$((nnodes * nproc))
 
 workdir=$(mktemp -d)
 if [[ $method == tcp ]]; then
-  port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')  # free now (as common.free_port, without importing torch)
+  port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')  # free now: the OS picks it (common.free_port would import torch)
   init="tcp://127.0.0.1:$port"          # on real machines: node 0's address, reachable from all nodes
 else
   init="file://$workdir/ddp-init"       # must be new for every job: a file left from an old job can hang

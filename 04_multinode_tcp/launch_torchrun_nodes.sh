@@ -23,7 +23,7 @@ if [[ ! $mode =~ ^(static|c10d)$ || ! $nnodes =~ ^[1-9][0-9]*$ || ! $nproc =~ ^[
 fi
 shift 3
 py=${PYTHON:-python}
-port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')  # free now (as common.free_port, without importing torch)
+port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')  # free now: the OS picks it (common.free_port would import torch)
 join_timeout=${JOIN_TIMEOUT:-30}
 only=${ONLY_NODES:-$(seq -s ' ' 0 $((nnodes - 1)))}
 mapfile -t node_gpus < <("$py" 04_multinode_tcp/gpus_per_node.py "$nnodes" "$nproc")

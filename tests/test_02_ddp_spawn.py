@@ -46,7 +46,8 @@ def test_distributed_sampler_covers_pads_and_reshuffles_only_with_set_epoch():
 @pytest.mark.ranks(3)
 def test_ddp_averages_gradients(nproc):
     res = make("ddp-equivalence", f"NPROC={nproc}", timeout=120)
-    m = re.search(r"plain_diff=(\S+) bn_whole_diff=(\S+) bn_shard_diff=(\S+) gradients_averaged=True", res.stdout)
+    # the numbers, judged below (not the script's own verdict)
+    m = re.search(r"plain_diff=(\S+) bn_whole_diff=(\S+) bn_shard_diff=(\S+) gradients_averaged=", res.stdout)
     assert m, res.tail()
     plain, bn_whole, bn_shard = map(float, m.groups())
     assert plain < 1e-5, "N ranks x b samples must equal 1 process x N*b samples"

@@ -3,6 +3,7 @@
 import ast
 import os
 import pickle
+import random
 import re
 import shutil
 import signal
@@ -386,6 +387,16 @@ def test_free_port_is_bindable():
     assert 1024 <= port <= 65535
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_free_port_lies_below_the_range_the_os_gives_to_new_connections_and_ignores_the_seed():
+    """02's pitfall: a port from a bind to port 0 can go to any outgoing connection before rank 0 listens on it."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = []
+    for _ in range(20):
+        random.seed(0)  # as common.seed_everything does in the parent: two jobs must still get different ports
+        ports.append(common.free_port())
+    assert all(10000 <= p < low for p in ports) and len(set(ports)) > 10, (low, ports)
 
 
 def test_atomic_save_round_trip(tmp_path):

@@ -28,7 +28,6 @@ import os
 import runpy
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -104,12 +103,6 @@ def mutate(source: str, name: str) -> str:
     return source.replace(old, new)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _child(script: Path, argv: list[str], env: dict, trace_dir: Path, log: Path) -> None:
     """In a forked process: run `script` as __main__ with a fresh trace, and never return."""
     code = 1
@@ -150,7 +143,9 @@ def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float
     """Start the ranks of `script` (2 of them; `nproc` for torchrun's kind, spread over `nodes` simulated nodes) and
     wait; (exit codes, their output). rank_args(rank) adds arguments to one rank's (torchrun's kind)."""
     trace_dir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    import common
+
+    port = common.free_port()
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     if how == "spawn":
         ranks = [([*args, "--nproc", "2"], {**base, "COURSE_FORK_SPAWN": "1"})]
