@@ -113,9 +113,10 @@ def seed_everything(seed: int) -> None:
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free now, for rank 0's store to listen on a moment later.
 
-    Not one the OS hands out (bind to port 0): those come from its range for outgoing connections, so any
-    connection made meanwhile (Gloo opens many) can take it before rank 0 listens. A random free port below that
-    range can only be taken by a program that asks for that very number."""
+    Not one the OS hands out (bind to port 0): those come from its range of automatic ports, which it also gives to
+    every other socket bound to port 0 (Gloo's listeners, another job's free port) and to outgoing connections, so
+    one can take it before rank 0 listens. A random free port below that range can only be taken by a program that
+    asks for that very number."""
     low = 32768  # Linux's default start of the range; /proc says where it starts here
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])

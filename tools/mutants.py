@@ -13,8 +13,8 @@ caught when the check named for it says "wrong". Exit code 1 if any mutation sur
 a check.
 
 The torchrun scripts run as two nodes of one process each, every node with its own data folder (as on machines
-with their own disks): RANK and LOCAL_RANK differ there. The scripts with a GradScaler also run 1 epoch with
---amp fp16 and are started once more to continue from that checkpoint (the resume check).
+with their own disks): RANK and LOCAL_RANK differ there. cifar_resnet.py also runs 1 epoch with --amp fp16 (a
+GradScaler with a state) and is started once more to continue from that checkpoint (the resume check).
 
 The ranks are forked from this process, which imports torch once (a launch costs a second, not ten); they get
 torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), or the tcp:// arguments for mnist_tcp.py,
@@ -51,7 +51,8 @@ SCRIPTS = {  # script: how its ranks start
 # Its checkpoint is written by every rank (torch.distributed.checkpoint, a shard each): no single writer to break.
 NOT_FOR = {"07_beyond_ddp/mnist_fsdp2.py": {"bare-model", "no-buffer-broadcast", "every-rank-saves"}}
 TORCHRUN = {rel for rel, how in SCRIPTS.items() if how == "torchrun"}
-SCALER = {"06_amp_syncbn/mnist_amp_syncbn.py", "06_amp_syncbn/cifar_resnet.py"}  # the scripts with a GradScaler
+# the GradScaler's restore on resume: cifar_resnet.py's (mnist_amp_syncbn.py's: tests/test_06_amp_syncbn.py resumes it)
+SCALER = {"06_amp_syncbn/cifar_resnet.py"}
 ONLY_FOR = {"root-not-sharded": {"07_beyond_ddp/mnist_fsdp2.py"}, "scaler-not-restored": SCALER,
             "rank-for-local-rank": TORCHRUN}
 CHECKS_FOR = {"07_beyond_ddp/mnist_fsdp2.py": {"shards", "order", "ddp", "eval", "eval_sum", "writer", "ran"}}
@@ -61,9 +62,6 @@ ARGS = {"mnist": ["--dataset", "mnist-standin", "--epochs", "2", "--max-steps", 
         "cifar": ["--dataset", "cifar10-standin", "--epochs", "2", "--max-steps", "1", "--batch-size", "2"]}
 
 MUTANTS = {  # name: (what it breaks, the original code, the mutated code, the check that must catch it)
-    "no-sampler": ("every rank trains on the whole data set",
-                   "DistributedSampler(train_set, num_replicas=world_size, rank=rank,",
-                   "DistributedSampler(train_set, num_replicas=1, rank=0,", "shards"),
     "sampler-rank-0": ("every rank takes rank 0's shard",
                        "num_replicas=world_size, rank=rank,", "num_replicas=world_size, rank=0,", "shards"),
     "no-set-epoch": ("every epoch repeats the first epoch's order",

@@ -198,8 +198,16 @@ def check_eval(ranks) -> Check:
     count = min((len(p) for p in passes.values()), default=0)
     if not count:
         evaluated = sorted(r for r, p in passes.items() if p)
-        if evaluated and len(evaluated) < len(ranks):
-            return Check(name, "ok", f"only rank(s) {evaluated} evaluate, on the whole test set")
+        if evaluated and len(evaluated) < len(ranks):  # rank 0 alone, say: does it see the whole test set?
+            last = [passes[r][-1] for r in evaluated]
+            n = last[0]["dataset_len"]
+            if not n or any(p.get("indices") is None for p in last):
+                return Check(name, "unknown", f"only rank(s) {evaluated} evaluate, over data whose size or items "
+                                              f"are not seen")
+            union = len(set().union(*(p["indices"] for p in last)))
+            if union < n:
+                return Check(name, "wrong", f"only rank(s) {evaluated} evaluate, on {union} of the {n} test samples")
+            return Check(name, "ok", f"only rank(s) {evaluated} evaluate, on all {n} test samples")
         return Check(name, "unknown", "no evaluation pass seen (a loader read to its end with no optimizer "
                                       "step and no backward)")
     last = [passes[r][count - 1] for r in sorted(passes)]
