@@ -8,9 +8,9 @@ red for every break.
 For each script the unchanged copy runs first and must pass every check; then each mutation replaces one piece
 of it (the sampler, set_epoch, the DDP wrap, the evaluation all_reduce, the evaluation split, the buffer
 broadcast, the checkpoint's writer and its restore, LOCAL_RANK) in a copy, runs it with 2 ranks for 2 short epochs
-(with a checkpoint after each), and reads the trace (tools/tracer.py) with tools/tracecheck.py. A mutation is
-caught when the check named for it says "wrong". Exit code 1 if any mutation survives or an unchanged script fails
-a check.
+(with a checkpoint after each where the writer is the point), and reads the trace (tools/tracer.py) with
+tools/tracecheck.py. A mutation is caught when the check named for it says "wrong". Exit code 1 if any mutation
+survives or an unchanged script fails a check.
 
 The torchrun scripts run as two nodes of one process each, every node with its own data folder (as on machines
 with their own disks): RANK and LOCAL_RANK differ there. cifar_resnet.py also runs 1 epoch with --amp fp16 (a
@@ -202,8 +202,9 @@ def check_script(rel: str, data_dir: str, work: Path, only: list[str] | None = N
         node_dirs = (lambda r, d=str(second): ["--data-dir", data_dir if r == 0 else d]) if nodes > 1 else None
         codes, output, checks = [], "", []
         if name != "scaler-not-restored":
-            codes, output = run(copy, how, [*args, "--checkpoint-dir", str(copy.parent / "checkpoint")],
-                                copy.parent / "trace", nodes=nodes, rank_args=node_dirs)
+            saves = ["--checkpoint-dir", str(copy.parent / "checkpoint")] if name in ("unchanged", "every-rank-saves") \
+                else []  # the writer check's runs; the others need no checkpoint
+            codes, output = run(copy, how, [*args, *saves], copy.parent / "trace", nodes=nodes, rank_args=node_dirs)
             checks = [c for c in tracecheck.judge(copy.parent / "trace", tracecheck.CHECKS + tracecheck.MORE)
                       if c.name != "resume"]
         if rel in SCALER and name in ("unchanged", "scaler-not-restored"):
