@@ -49,14 +49,12 @@ def waits(item) -> bool:
 def spread_the_waiting(items) -> None:
     """The tests marked waits spread evenly among the other tests that start processes and run: side by side, two
     of them would leave both cores idle while their processes wait on a timeout. The notebooks go first, as
-    pytest-xdist hands them out (whole, the largest units first), then the tests marked long; skipped tests go
-    last."""
+    pytest-xdist hands them out (whole, the largest units first); skipped tests go last."""
     starting = [item for item in items if starts_processes(item)]
     notebooks = [item for item in starting if item.path.suffix == ".ipynb"]
     tests = [item for item in starting if item.path.suffix != ".ipynb"]
     waiting = [item for item in tests if waits(item)]
     busy = [item for item in tests if not waits(item) and not item.get_closest_marker("skip")]
-    busy.sort(key=lambda item: item.get_closest_marker("long") is None)  # the longest first: no long one at the end
     skipped = [item for item in tests if not waits(item) and item.get_closest_marker("skip")]
     step = len(busy) / (len(waiting) + 1)
     place = {id(item): i for i, item in enumerate(busy)} | {id(item): (j + 1) * step - 0.5

@@ -86,7 +86,6 @@ def test_every_recorded_benchmark_ran_its_variants_in_a_rotating_order(record):
 
 
 @pytest.mark.slow
-@pytest.mark.long
 def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, data_dir):
     out = tmp_path / "results"
     result = make("bench-quick", f"BENCH_OUT={out}", f"BENCH_DATA={data_dir}", timeout=240)

@@ -119,7 +119,6 @@ COPYABLE = {
 
 
 @pytest.mark.slow
-@pytest.mark.long
 def test_each_copyable_script_trains_from_an_empty_folder_offline_without_the_course(bare, data_dir, tmp_path):
     """Each script as a user copies it: into an empty folder with only what it imports (common.py, and for step 5
     with --sync-bn syncbn_by_hand.py), run by an interpreter that holds torch but not the course (no tools, no
