@@ -12,6 +12,11 @@ broadcast, the checkpoint's writer and its restore, LOCAL_RANK) in a copy, runs 
 tools/tracecheck.py. A mutation is caught when the check named for it says "wrong". Exit code 1 if any mutation
 survives or an unchanged script fails a check.
 
+mnist_spawn.py, mnist_torchrun.py and mnist_tcp.py share one train() (only their launchers differ): a break
+inside it is run on the first of them; the others run the breaks outside it, and two inside (set_epoch, the
+evaluation all_reduce) that show their launcher's processes are traced. If their train() functions ever differ,
+each runs every break.
+
 The torchrun scripts run as two nodes of one process each, every node with its own data folder (as on machines
 with their own disks): RANK and LOCAL_RANK differ there. cifar_resnet.py also runs 1 epoch with --amp fp16 (a
 GradScaler with a state) and is started once more to continue from that checkpoint (the resume check).
@@ -24,6 +29,7 @@ and mnist_spawn.py's mp.spawn forks too.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import runpy
 import shutil
@@ -92,6 +98,26 @@ MUTANTS = {  # name: (what it breaks, the original code, the mutated code, the c
 def mutations(rel: str) -> list[str]:
     """The mutations that apply to the script `rel`: every one, except those NOT_FOR it and those ONLY_FOR others."""
     return [name for name in MUTANTS if name not in NOT_FOR.get(rel, set()) and rel in ONLY_FOR.get(name, {rel})]
+
+
+PLUMBING = ("no-set-epoch", "no-eval-all-reduce")  # a twin's launcher still shows its loaders and collectives
+
+
+def train_code(rel: str) -> str:
+    """The script's train() function, its own file name taken out (the checkpoint is named after the script)."""
+    source = (REPO / rel).read_text()
+    node = next((n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "train"), None)
+    return "" if node is None else ast.get_source_segment(source, node).replace(Path(rel).stem, "SCRIPT")
+
+
+def twin_covered(rel: str, checked: list[str]) -> list[str]:
+    """The mutations of `rel` that a script checked before it covers: when both train() functions are the same code
+    (mnist_spawn.py, mnist_torchrun.py and mnist_tcp.py differ only in how their processes start), a break inside
+    train() is the same break; only those outside it, and PLUMBING, run again."""
+    code = train_code(rel)
+    if not code or not any(train_code(other) == code for other in checked):
+        return []
+    return [name for name in mutations(rel) if name not in PLUMBING and MUTANTS[name][1] in code]
 
 
 def mutate(source: str, name: str) -> str:
@@ -180,7 +206,8 @@ def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float
     return [codes[p] for p in pids], output
 
 
-def check_script(rel: str, data_dir: str, work: Path, only: list[str] | None = None) -> list[dict]:
+def check_script(rel: str, data_dir: str, work: Path, only: list[str] | None = None,
+                 skip: list[str] = ()) -> list[dict]:
     """The unchanged script and each mutation of it: one row each (name, exit codes, checks, caught). data_dir: the
     first node's data folder (prepared); the second node's starts empty where LOCAL_RANK is the point."""
     script = REPO / rel
@@ -188,7 +215,7 @@ def check_script(rel: str, data_dir: str, work: Path, only: list[str] | None = N
     how = SCRIPTS[rel]
     nodes = 2 if how == "torchrun" else 1
     rows = []
-    for name in ["unchanged", *[m for m in only or MUTANTS if m in mutations(rel)]]:
+    for name in ["unchanged", *[m for m in only or MUTANTS if m in mutations(rel) and m not in skip]]:
         copy = work / name.replace("-", "_") / script.name
         copy.parent.mkdir(parents=True, exist_ok=True)
         source = script.read_text()
@@ -245,13 +272,20 @@ def main(argv=None) -> int:
         data_dir = str(Path(work) / "data")  # the first node's
         common.prepare_data("mnist-standin", data_dir)
         common.prepare_data("cifar10-standin", data_dir, family="cifar10")
+        checked = []  # the scripts whose train() went through every mutation
         for rel in args.scripts:
-            for row in check_script(rel, data_dir, Path(work) / Path(rel).stem, args.only):
+            covered = [m for m in twin_covered(rel, checked) if not args.only or m in args.only]
+            twin = next((other for other in checked if train_code(other) == train_code(rel)), None)
+            if not covered:
+                checked.append(rel)
+            for name in covered:
+                print(f"{rel:38} {name:22} same train() as {twin}: caught there", flush=True)
+            for row in check_script(rel, data_dir, Path(work) / Path(rel).stem, args.only, covered):
                 what = ("passes every check" if row["expected"] is None else
                         f"caught by {row['expected']}" if row["ok"] else f"SURVIVED ({row['expected']} stayed green)")
                 if row["expected"] is None and not row["ok"]:
                     what = f"FAILS: exit codes {row['codes']}, red checks {row['red']}"
-                print(f"{rel:38} {row['mutation']:20} {what}", flush=True)
+                print(f"{rel:38} {row['mutation']:22} {what}", flush=True)
                 if not row["ok"]:
                     failed += 1
                     print("    " + "\n    ".join(row["checks"]) + "\n" + row["output"][-1500:])
