@@ -23,10 +23,13 @@ def test_every_break_of_every_chain_script_turns_its_named_check_red():
         assert re.search(rf"^{re.escape(script)} +unchanged +passes every check$", res.stdout, re.M), res.tail()
         for name in mutants.mutations(script):
             check = mutants.MUTANTS[name][3]
-            twin = re.search(rf"^{re.escape(script)} +{name} +same train\(\) as (\S+): caught there$", res.stdout, re.M)
-            if twin:  # the break is inside train(), which is the twin's code (compared here too): caught there
-                assert name not in mutants.PLUMBING and mutants.train_code(twin[1]) == mutants.train_code(script)
-                script_caught = twin[1]
+            twin = re.search(rf"^{re.escape(script)} +{name} +same (train\(\)|line) as (\S+): caught there$",
+                             res.stdout, re.M)
+            if twin:  # the break is in code the twin holds too (compared here again): caught there
+                same = (mutants.train_code(twin[2]) == mutants.train_code(script) if twin[1] == "train()" else
+                        mutants.line_of(twin[2], name) == mutants.line_of(script, name))
+                assert name not in mutants.PLUMBING and same, (script, name, twin[0])
+                script_caught = twin[2]
             else:
                 script_caught = script
             assert re.search(rf"^{re.escape(script_caught)} +{name} +caught by {check}$", res.stdout, re.M), res.tail()

@@ -14,8 +14,9 @@ survives or an unchanged script fails a check.
 
 mnist_spawn.py, mnist_torchrun.py and mnist_tcp.py share one train() (only their launchers differ): a break
 inside it is run on the first of them; the others run the breaks outside it, and two inside (set_epoch, the
-evaluation all_reduce) that show their launcher's processes are traced. If their train() functions ever differ,
-each runs every break.
+evaluation all_reduce) that show their launcher's processes are traced. Likewise a break of a line that
+cifar_resnet.py holds letter for letter as mnist_amp_syncbn.py does runs on mnist_amp_syncbn.py. If the code
+ever differs, each runs every break.
 
 The torchrun scripts run as two nodes of one process each, every node with its own data folder (as on machines
 with their own disks): RANK and LOCAL_RANK differ there. cifar_resnet.py also runs 1 epoch with --amp fp16 (a
@@ -110,14 +111,33 @@ def train_code(rel: str) -> str:
     return "" if node is None else ast.get_source_segment(source, node).replace(Path(rel).stem, "SCRIPT")
 
 
-def twin_covered(rel: str, checked: list[str]) -> list[str]:
-    """The mutations of `rel` that a script checked before it covers: when both train() functions are the same code
-    (mnist_spawn.py, mnist_torchrun.py and mnist_tcp.py differ only in how their processes start), a break inside
-    train() is the same break; only those outside it, and PLUMBING, run again."""
-    code = train_code(rel)
-    if not code or not any(train_code(other) == code for other in checked):
-        return []
-    return [name for name in mutations(rel) if name not in PLUMBING and MUTANTS[name][1] in code]
+# cifar_resnet.py's loop is its own, but its sampler, evaluation, buffer broadcast, DDP wrap, checkpoint writer and
+# LOCAL_RANK lines are mnist_amp_syncbn.py's, letter for letter, under the same launcher: such a break runs there
+LINE_TWINS = {"06_amp_syncbn/cifar_resnet.py": "06_amp_syncbn/mnist_amp_syncbn.py"}
+
+
+def line_of(rel: str, name: str) -> str:
+    """The whole source line of `rel` that the mutation `name` changes."""
+    return next(line for line in (REPO / rel).read_text().splitlines() if MUTANTS[name][1] in line)
+
+
+def twin_covered(rel: str, ran: dict[str, set[str]]) -> dict[str, tuple[str, str]]:
+    """The mutations of `rel` that a script checked before it ran: {mutation: ("train()" or "line", that script)};
+    ran: {script: the mutations run on it}.
+    When two train() functions are the same code (mnist_spawn.py, mnist_torchrun.py and mnist_tcp.py differ only in
+    how their processes start), a break inside train() is the same break; for LINE_TWINS, a break of a line that
+    both scripts hold letter for letter. The others, and PLUMBING, run again."""
+    code, covered = train_code(rel), {}
+    for other, done in ran.items():
+        if code and train_code(other) == code:
+            covered.update({name: ("train()", other) for name in mutations(rel) if name not in PLUMBING
+                            and name in done and MUTANTS[name][1] in code and name not in covered})
+    twin = LINE_TWINS.get(rel)
+    for name in mutations(rel):
+        if (twin in ran and name not in PLUMBING and name in ran[twin]
+                and line_of(rel, name) == line_of(twin, name)):
+            covered.setdefault(name, ("line", twin))
+    return covered
 
 
 def mutate(source: str, name: str) -> str:
@@ -272,14 +292,12 @@ def main(argv=None) -> int:
         data_dir = str(Path(work) / "data")  # the first node's
         common.prepare_data("mnist-standin", data_dir)
         common.prepare_data("cifar10-standin", data_dir, family="cifar10")
-        checked = []  # the scripts whose train() went through every mutation
+        ran = {}  # script: the mutations run on it
         for rel in args.scripts:
-            covered = [m for m in twin_covered(rel, checked) if not args.only or m in args.only]
-            twin = next((other for other in checked if train_code(other) == train_code(rel)), None)
-            if not covered:
-                checked.append(rel)
-            for name in covered:
-                print(f"{rel:38} {name:22} same train() as {twin}: caught there", flush=True)
+            covered = {m: how for m, how in twin_covered(rel, ran).items() if not args.only or m in args.only}
+            ran[rel] = {m for m in args.only or MUTANTS if m in mutations(rel) and m not in covered}
+            for name, (what, other) in covered.items():
+                print(f"{rel:38} {name:22} same {what} as {other}: caught there", flush=True)
             for row in check_script(rel, data_dir, Path(work) / Path(rel).stem, args.only, covered):
                 what = ("passes every check" if row["expected"] is None else
                         f"caught by {row['expected']}" if row["ok"] else f"SURVIVED ({row['expected']} stayed green)")
