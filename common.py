@@ -110,13 +110,16 @@ def seed_everything(seed: int) -> None:
     torch.backends.cudnn.benchmark = False
 
 
+_GIVEN: set[int] = set()  # the ports free_port handed out in this process
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free now, for rank 0's store to listen on a moment later.
 
     Not one the OS hands out (bind to port 0): those come from its range of automatic ports, which it also gives to
     every other socket bound to port 0 (Gloo's listeners, another job's free port) and to outgoing connections, so
     one can take it before rank 0 listens. A random free port below that range can only be taken by a program that
-    asks for that very number."""
+    asks for that very number; this process never hands out the same one twice (jobs started side by side)."""
     low = 32768  # Linux's default start of the range; /proc says where it starts here
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -125,11 +128,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     pick = random.SystemRandom()  # not the seeded `random`: every run, and every test, its own port
     for _ in range(50 if low > 11000 else 0):
         port = pick.randrange(10000, low)
+        if port in _GIVEN:  # a job started a moment ago may not listen on it yet
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _GIVEN.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a range set unusually low: the OS's choice
         s.bind((host, 0))
