@@ -121,9 +121,11 @@ def _loaded(out, f, *_, **__):
                state={str(k): _state_digest(v) for k, v in out.items() if isinstance(v, dict)})
 
 
-def _resumed(what: str, state: dict) -> None:
+def _resumed(what: str, state_dict) -> None:
+    """The first step of the optimizer or GradScaler after a load (state_dict: its bound method, called only then)."""
     if what in _state.get("resume", ()):
         _state["resume"].discard(what)
+        state = state_dict()
         if state:  # a disabled GradScaler has no state to restore
             record("resumed", what=what, digest=_state_digest(state))
 
@@ -462,8 +464,8 @@ def install(trace_dir: str) -> None:
     _wrap(torch, "load", after=_loaded)
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    register_optimizer_step_pre_hook(lambda optimizer, *_: _resumed("optimizer", optimizer.state_dict()))
-    _wrap(torch.amp.GradScaler, "step", before=lambda self, *a, **k: _resumed("scaler", self.state_dict()))
+    register_optimizer_step_pre_hook(lambda optimizer, *_: _resumed("optimizer", optimizer.state_dict))
+    _wrap(torch.amp.GradScaler, "step", before=lambda self, *a, **k: _resumed("scaler", self.state_dict))
 
     def initialised(*_, **kwargs):
         timeout = kwargs.get("timeout")
