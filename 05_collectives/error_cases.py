@@ -205,15 +205,13 @@ def run_case(name, variant):
     """One rank's part of one case, in a process started as torchrun starts its workers (RANK, WORLD_SIZE, ...)."""
     hangs = variant == "broken" and CASES[name][1] == GLOO_TIMEOUT
     if name != "no-process-group":
-        # the rendezvous may take PATIENT seconds (a rank that starts late on busy cores: the gallery starts 16 at
-        # once); only the collectives of a variant that hangs give up after TIMEOUT. Under torchrun its agent's
-        # store is the one to join.
-        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
-                              is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
-                              timeout=timedelta(seconds=PATIENT))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=TIMEOUT if hangs else PATIENT))
+        # meeting (the rendezvous and Gloo's connections) may take PATIENT seconds: a rank starts late on busy cores
+        # (the gallery starts 16 at once). Only then do the collectives of a variant that hangs get TIMEOUT.
+        dist.init_process_group("gloo", timeout=timedelta(seconds=PATIENT))
+        if hangs:
+            from torch.distributed.distributed_c10d import _set_pg_timeout  # not public; in torch 2.11 and later
+
+            _set_pg_timeout(timedelta(seconds=TIMEOUT))
     try:
         CASES[name][0](int(os.environ["RANK"]), variant)
         if dist.is_initialized():
