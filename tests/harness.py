@@ -48,13 +48,16 @@ def waits(item) -> bool:
 
 def spread_the_waiting(items) -> None:
     """The tests marked waits spread evenly among the other tests that start processes and run: side by side, two
-    of them would leave both cores idle while their processes wait on a timeout. The notebooks go first, as
-    pytest-xdist hands them out (whole, the largest units first); skipped tests go last."""
+    of them would leave both cores idle while their processes wait on a timeout. The tests marked ranks(n) come
+    first among the others, one after another: each holds the cores alone (cores), so the other worker waits for
+    the test it runs to end before one of them starts; in one block that wait comes once, not once per such test.
+    The notebooks go first, as pytest-xdist hands them out (whole, the largest units first); skipped tests go last."""
     starting = [item for item in items if starts_processes(item)]
     notebooks = [item for item in starting if item.path.suffix == ".ipynb"]
     tests = [item for item in starting if item.path.suffix != ".ipynb"]
     waiting = [item for item in tests if waits(item)]
     busy = [item for item in tests if not waits(item) and not item.get_closest_marker("skip")]
+    busy.sort(key=lambda item: item.get_closest_marker("ranks") is None)  # stable: their order stays
     skipped = [item for item in tests if not waits(item) and item.get_closest_marker("skip")]
     step = len(busy) / (len(waiting) + 1)
     place = {id(item): i for i, item in enumerate(busy)} | {id(item): (j + 1) * step - 0.5

@@ -4,6 +4,7 @@ only has to be a finite, positive number."""
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -85,30 +86,47 @@ def test_every_recorded_benchmark_ran_its_variants_in_a_rotating_order(record):
     assert_rotated(per_round, record)
 
 
-@pytest.mark.slow
-def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, data_dir):
-    out = tmp_path / "results"
-    result = make("bench-quick", f"BENCH_OUT={out}", f"BENCH_DATA={data_dir}", timeout=240)
-    for bench, keys in BENCHES.items():
-        found = sorted(out.glob(f"{bench}_*_quick_*.json"))
-        assert len(found) == 1, f"{bench}: expected one JSON file, found {found}\n{result.tail()}"
-        stem = found[0].with_suffix("")
-        data = json.loads(found[0].read_text())
-        assert data["bench"] == bench and data["quick"] is True
-        machine = data["machine"]
-        assert machine["cores"] >= 1 and machine["torch"] and machine["cpu"], machine
-        assert {"cpu_flags", "gpu", "gpus", "cuda", "backend"} <= set(machine), machine  # features, GPU, CUDA
-        assert all(k in data for k in keys), f"{bench}: missing {[k for k in keys if k not in data]}"
-        md = stem.with_suffix(".md").read_text()
-        assert md.startswith("# ") and "| ---" in md, f"{bench}: no markdown table"
-        assert "> Quick run" in md, f"{bench}: a quick table must say that it is one"
-        assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{bench}: not a PNG"
-        if "per_round" in data:  # measured in rounds: median, min and max
-            assert data["results"] and all(well_formed(s) for s in data["results"].values()), data["results"]
-            assert_rotated(data["per_round"], bench)
-            assert all(well_formed(s, positive=not k.endswith("overhead")) for k, s in data["ratios"].items())
+TARGETS = {"throughput": "bench-throughput", "amp": "bench-amp", "buckets": "bench-buckets",
+           "allreduce_sweep": "bench-allreduce", "comm_hooks": "bench-hooks"}
 
-    throughput = json.loads(next(out.glob("throughput_*.json")).read_text())
+
+def test_bench_quick_runs_every_benchmark_at_its_quick_sizes():
+    """`make bench-quick` is each benchmark's target with QUICK=--quick, one after another: the test below runs
+    each of them so, side by side with the other tests instead of in one long row."""
+    recipe = re.search(r"^bench-quick:.*\n\t(.*\n(?:\t.*\n)*)", (REPO / "Makefile").read_text(), re.M)[1]
+    assert "QUICK=--quick" in recipe and sorted(re.findall(r"\b(bench-[a-z]+)\b", recipe)) == sorted(TARGETS.values())
+    assert set(TARGETS) == set(BENCHES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bench", list(BENCHES))
+def test_bench_quick_writes_well_formed_results(bench, tmp_path, data_dir):
+    """What `make bench-quick` runs for this benchmark: its JSON, markdown table and PNG are well formed."""
+    out = tmp_path / "results"
+    result = make(TARGETS[bench], "ARGS=", "QUICK=--quick", f"BENCH_OUT={out}", f"BENCH_DATA={data_dir}", timeout=240)
+    keys = BENCHES[bench]
+    found = sorted(out.glob(f"{bench}_*_quick_*.json"))
+    assert len(found) == 1, f"{bench}: expected one JSON file, found {found}\n{result.tail()}"
+    stem = found[0].with_suffix("")
+    data = json.loads(found[0].read_text())
+    assert data["bench"] == bench and data["quick"] is True
+    machine = data["machine"]
+    assert machine["cores"] >= 1 and machine["torch"] and machine["cpu"], machine
+    assert {"cpu_flags", "gpu", "gpus", "cuda", "backend"} <= set(machine), machine  # features, GPU, CUDA
+    assert all(k in data for k in keys), f"{bench}: missing {[k for k in keys if k not in data]}"
+    md = stem.with_suffix(".md").read_text()
+    assert md.startswith("# ") and "| ---" in md, f"{bench}: no markdown table"
+    assert "> Quick run" in md, f"{bench}: a quick table must say that it is one"
+    assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{bench}: not a PNG"
+    if "per_round" in data:  # measured in rounds: median, min and max
+        assert data["results"] and all(well_formed(s) for s in data["results"].values()), data["results"]
+        assert_rotated(data["per_round"], bench)
+        assert all(well_formed(s, positive=not k.endswith("overhead")) for k, s in data["ratios"].items())
+    {"throughput": throughput_well_formed, "amp": amp_well_formed, "buckets": buckets_well_formed,
+     "allreduce_sweep": sweep_well_formed, "comm_hooks": hooks_well_formed}[bench](data)
+
+
+def throughput_well_formed(throughput: dict) -> None:
     sizes = throughput["config"]["world_sizes"]  # quick: 2 where the cores or GPUs allow; none on 1 GPU
     room = common.usable_gpus() if throughput["config"]["device"] == "cuda" else throughput["config"]["cores"]
     assert sizes == ([2] if room >= 2 else []), sizes
@@ -120,17 +138,20 @@ def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, da
     assert set(throughput["startup_s"]) == launched
     assert sizes or throughput["note"], "no multi-process variant must come with a note saying why"
 
-    amp = json.loads(next(out.glob("amp_*.json")).read_text())
+
+def amp_well_formed(amp: dict) -> None:
     lower = "bf16" if amp["config"]["device"] == "cpu" else "fp16"  # fp16 runs on every GPU; bf16 on CPUs here
     assert {f"{m}/{p}" for m in ("convnet", "resnet18") for p in ("fp32", lower)} <= set(amp["results"])
     if amp["config"]["device"] == "cuda" and common.usable_gpus() and torch.cuda.get_device_capability() >= (8, 0):
         assert {"convnet/tf32", "resnet18/tf32"} <= set(amp["results"]), "TF32 on a GPU that has it"
     assert all(math.isfinite(v) for v in amp["final_loss"].values())
 
-    buckets = json.loads(next(out.glob("buckets_*.json")).read_text())
+
+def buckets_well_formed(buckets: dict) -> None:
     assert buckets["buckets"]["1 MB"] > buckets["buckets"]["25 MB"] >= 1, buckets["buckets"]
 
-    hooks = json.loads(next(out.glob("comm_hooks_*.json")).read_text())
+
+def hooks_well_formed(hooks: dict) -> None:
     assert set(hooks["results"]) == {f"{m}/{h}" for m in ("convnet", "resnet18")
                                      for h in ("all_reduce", "fp16", "bf16", "powersgd")}
     for model in ("convnet", "resnet18"):  # 16-bit hooks send half the bytes of the default, exactly
@@ -141,7 +162,8 @@ def test_bench_quick_writes_well_formed_results_for_every_benchmark(tmp_path, da
     # quick: 4 ConvNet steps, PowerSGD compresses from the third on, so it must have sent fewer bytes in all
     assert hooks["results"]["convnet/powersgd"]["mb_per_step"] < hooks["results"]["convnet/all_reduce"]["mb_per_step"]
 
-    sweep = json.loads(next(out.glob("allreduce_sweep_*.json")).read_text())
+
+def sweep_well_formed(sweep: dict) -> None:
     ops = {row["op"] for row in sweep["rows"]}
     assert ops == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "ring_p2p"}
     assert all(row["latency_us"] > 0 and row["busbw_GBps"] > 0 for row in sweep["rows"])

@@ -631,11 +631,12 @@ def test_the_tests_that_mostly_wait_are_handed_out_apart():
         def get_closest_marker(self, mark):
             return mark if mark in self.marks else None
 
-    items = [Item(f"b{i}", "slow") for i in range(9)] + [Item("s0", "slow", "skip"), Item("nb", suffix=".ipynb")] \
-        + [Item(f"w{i}", "slow", "waits") for i in range(3)] + [Item("quick")]
-    spread_the_waiting(items)  # notebooks first (pytest-xdist hands them out first), skipped tests last
-    assert [item.name for item in items] == ["nb", "b0", "b1", "w0", "b2", "b3", "b4", "w1", "b5", "b6", "w2", "b7",
-                                             "b8", "s0", "quick"]
+    items = [Item(f"b{i}", "slow") for i in range(7)] + [Item("s0", "slow", "skip"), Item("nb", suffix=".ipynb")] \
+        + [Item(f"w{i}", "slow", "waits") for i in range(3)] + [Item(f"r{i}", "slow", "ranks") for i in range(2)] \
+        + [Item("quick")]
+    spread_the_waiting(items)  # notebooks first (pytest-xdist hands them out first), then ranks(n); skipped last
+    assert [item.name for item in items] == ["nb", "r0", "r1", "w0", "b0", "b1", "b2", "w1", "b3", "b4", "w2", "b5",
+                                             "b6", "s0", "quick"]
     places = [i for i, waits in enumerate(WAITS) if waits]
     assert all(b - a >= 3 for a, b in zip(places, places[1:], strict=False)), places
 
