@@ -57,7 +57,9 @@ def test_bf16_with_sync_bn_converges_like_fp32(data_dir, tmp_path):
 
 @pytest.mark.slow
 def test_scaler_state_survives_the_checkpoint_and_resume_continues_identically(data_dir, tmp_path):
-    base = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
+    """One process under torchrun (a DDP model of world size 1): the claim is the GradScaler's, which each rank keeps
+    for itself; the mutation check resumes cifar_resnet.py's with 2 ranks."""
+    base = [*TORCHRUN, "--standalone", "--nproc-per-node", "1", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
             *STANDIN.format(data_dir).split(), "--amp", "fp16", "--max-steps", "8", "--batch-size", "16",
             "--device", "cpu"]
     straight = run(base + ["--epochs", "2", "--checkpoint-dir", tmp_path / "A"], timeout=180)
