@@ -27,12 +27,10 @@ def pytest_collection_modifyitems(config, items):
         for marker, count in needs.items():
             if marker in item.keywords and gpus < count:
                 item.add_marker(pytest.mark.skip(reason=f"needs {count} usable CUDA GPU(s); this machine has {gpus}"))
-    # the tests that start processes first, the quick in-process ones last: with 2 workers the quick ones fill
-    # the gaps at the end instead of one worker waiting for the other's last long run (a stable sort: the order
-    # within each group, and of a notebook's cells, stays)
-    items.sort(key=lambda item: not harness.starts_processes(item))
+    # the order the tests are handed out in (harness.spread_the_waiting: the order within each group, and of a
+    # notebook's cells, stays)
     harness.spread_the_waiting(items)
-    harness.STARTS_PROCESSES[:] = [harness.starts_processes(item) for item in items]
+    harness.KINDS[:] = [harness.kind(item) for item in items]
     harness.WAITS[:] = [harness.waits(item) for item in harness.handed_out(items)]
 
 

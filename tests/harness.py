@@ -31,7 +31,7 @@ from tools import course  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 COLLECTED: dict[str, bool] = {}  # every test this session collected, before -m/-k: node id -> needs a GPU (conftest)
-STARTS_PROCESSES: list[bool] = []  # the collected tests in the order they are handed out: starts processes or not
+KINDS: list[str] = []  # the collected tests in the order they are handed out: their kind()
 WAITS: list[bool] = []  # the tests that start processes, run, and are no notebook, in order: marked waits or not
 PYTHON = sys.executable
 # --local-addr: as the make targets do, so that no test depends on this machine's host name resolving
@@ -47,22 +47,44 @@ def waits(item) -> bool:
 
 
 def spread_the_waiting(items) -> None:
-    """The tests marked waits spread evenly among the other tests that start processes and run: side by side, two
-    of them would leave both cores idle while their processes wait on a timeout. The tests marked ranks(n) come
-    first among the others, one after another: each holds the cores alone (cores), so the other worker waits for
-    the test it runs to end before one of them starts; in one block that wait comes once, not once per such test.
-    The notebooks go first, as pytest-xdist hands them out (whole, the largest units first); skipped tests go last."""
+    """The order pytest-xdist hands the tests out in (both workers take the next one as they get free):
+    - the notebooks first (whole, the largest units first);
+    - the tests marked ranks(n), one after another: each holds the cores alone (cores), so the other worker waits
+      for the test it runs to end before one of them starts; in one block that wait comes once, not once per such
+      test. After each of them comes a share of the quick tests (those that start no process), which the other
+      worker runs while the ranks' 3 or 4 processes leave a core idle (they start, join and save one by one);
+    - the other tests that start processes, those marked long first (a minute alone at the very end would leave a
+      core idle), with those marked waits spread evenly among them: side by side, two of them would leave both
+      cores idle while their processes wait on a timeout; skipped tests after them;
+    - the rest of the quick tests last, to fill the gaps at the end instead of one worker waiting for the other's
+      last long run."""
     starting = [item for item in items if starts_processes(item)]
+    quick = [item for item in items if not starts_processes(item)]
     notebooks = [item for item in starting if item.path.suffix == ".ipynb"]
     tests = [item for item in starting if item.path.suffix != ".ipynb"]
     waiting = [item for item in tests if waits(item)]
     busy = [item for item in tests if not waits(item) and not item.get_closest_marker("skip")]
-    busy.sort(key=lambda item: item.get_closest_marker("ranks") is None)  # stable: their order stays
     skipped = [item for item in tests if not waits(item) and item.get_closest_marker("skip")]
+    ranks = [item for item in busy if item.get_closest_marker("ranks")]
+    others = [item for item in busy if not item.get_closest_marker("ranks")]
+    long = [item for item in others if item.get_closest_marker("long")]
+    busy = ranks + long + [item for item in others if not item.get_closest_marker("long")]  # their order stays
     step = len(busy) / (len(waiting) + 1)
     place = {id(item): i for i, item in enumerate(busy)} | {id(item): (j + 1) * step - 0.5
                                                             for j, item in enumerate(waiting)}
-    items[:len(starting)] = notebooks + sorted(busy + waiting, key=lambda item: place[id(item)]) + skipped
+    ordered = sorted(busy + waiting, key=lambda item: place[id(item)])
+    share = len(quick) * 2 // 3 // max(len(ranks), 1)  # two thirds beside the ranks, a third for the end
+    beside = {id(item): quick[i * share:(i + 1) * share] for i, item in enumerate(ranks)}
+    ordered = [x for item in ordered for x in [item, *beside.get(id(item), [])]]
+    items[:] = notebooks + ordered + skipped + quick[len(ranks) * share:]
+
+
+def kind(item) -> str:
+    """For the order's test: "notebook" (a cell), "ranks" (marked ranks(n)), "starts" (another test that starts
+    processes) or "quick"."""
+    if item.path.suffix == ".ipynb":
+        return "notebook"
+    return "quick" if not starts_processes(item) else "ranks" if item.get_closest_marker("ranks") else "starts"
 
 
 def handed_out(items) -> list:

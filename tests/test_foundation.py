@@ -111,7 +111,7 @@ def test_a_copied_chain_script_trains_another_dataset_and_model_in_an_empty_fold
 COPYABLE = {
     "01_dataparallel/mnist_single.py": ([], []),
     "01_dataparallel/mnist_dataparallel.py": ([], []),
-    "02_ddp_spawn/mnist_spawn.py": ([], ["--nproc", "2"]),
+    "02_ddp_spawn/mnist_spawn.py": ([], ["--nproc", "1"]),
     "03_ddp_torchrun/mnist_torchrun.py": ([], []),
     "04_multinode_tcp/mnist_tcp.py": ([], []),
     "06_amp_syncbn/mnist_amp_syncbn.py": (["06_amp_syncbn/syncbn_by_hand.py"], ["--sync-bn"]),
@@ -122,7 +122,8 @@ COPYABLE = {
 def test_each_copyable_script_trains_from_an_empty_folder_offline_without_the_course(bare, data_dir, tmp_path):
     """Each script as a user copies it: into an empty folder with only what it imports (common.py, and for step 5
     with --sync-bn syncbn_by_hand.py), run by an interpreter that holds torch but not the course (no tools, no
-    workarounds), offline, on a data folder already on disk: the stand-in's files."""
+    workarounds), offline, on a data folder already on disk: the stand-in's files. One process each, started as
+    its README starts it (what 2 ranks do is the other tests'), but step 5 with 2: its batch norm all-reduces."""
     data = tmp_path / "data"  # a prepared data folder, as `make data` leaves it
     shutil.copytree(data_dir, data, copy_function=os.link, ignore=shutil.ignore_patterns("*.lock"))
     env = {**BARE_ENV, **DEAD_PROXY, "OMP_NUM_THREADS": "1"}
@@ -134,20 +135,18 @@ def test_each_copyable_script_trains_from_an_empty_folder_offline_without_the_co
         for file in ["common.py", script, *helpers]:
             shutil.copy(REPO / file, project)
         copied = project / Path(script).name
+        ranks = 2 if "amp_syncbn" in script else 1
         if "torchrun" in script or "amp_syncbn" in script:
-            res = run([*torchrun, "2", copied, *short, *flags], cwd=project, env=env, timeout=180)
-        elif "tcp" in script:  # two processes started by hand, meeting at rank 0's address
+            res = run([*torchrun, str(ranks), copied, *short, *flags], cwd=project, env=env, timeout=180)
+        elif "tcp" in script:  # started by hand, meeting at rank 0's address
             port = common.free_port()
-            procs = [shlex.join(map(str, [bare, copied, "--init-method", f"tcp://127.0.0.1:{port}", "--world-size",
-                                          "2", "--rank", r, *short])) for r in (1, 0)]
-            res = run(["bash", "-c", f"{procs[0]} & p1=$!; {procs[1]}; a=$?; wait $p1; echo exits $a $?"],
-                      cwd=project, env=env, timeout=180)
-            assert "exits 0 0" in res.stdout, res.tail()
+            res = run([bare, copied, "--init-method", f"tcp://127.0.0.1:{port}", "--world-size", "1", "--rank", "0",
+                       *short], cwd=project, env=env, timeout=180)
         else:
             res = run([bare, copied, *short, *flags], cwd=project, env=env, timeout=180)
         final = res.final
         assert final["test_samples"] == TEST_IMAGES and final["dataset"] == "mnist-standin", res.tail()
-        assert final["world_size"] == (1 if "01_" in script else 2), res.tail()
+        assert final["world_size"] == ranks, res.tail()
         assert "Traceback" not in res.stderr, res.tail()
     assert "sync-bn True" in res.stdout, res.tail()  # the step-6 run, with the all_reduce batch norm on a CPU
     # ... which needs the helper it was copied with: without it, the same command stops at the import
@@ -611,12 +610,19 @@ def test_every_script_answers_help_with_a_whole_sentence_or_says_how_to_start_it
     assert "torchrun --standalone --nproc-per-node 2 03_ddp_torchrun/elastic_ddp.py" in " ".join(minimal.split())
 
 
-def test_the_tests_that_start_processes_come_first():
-    """conftest hands the tests out long ones first, so that the quick ones fill the end of a 2-worker run."""
-    from harness import STARTS_PROCESSES
+def test_the_quick_tests_go_beside_the_ranks_tests_and_at_the_end():
+    """conftest hands the tests that start processes out first; the quick ones go right after each test marked
+    ranks(n) (the other worker runs them while it holds the cores alone) and at the end (they fill the gaps)."""
+    from harness import KINDS
 
-    assert True in STARTS_PROCESSES and False in STARTS_PROCESSES
-    assert STARTS_PROCESSES == sorted(STARTS_PROCESSES, reverse=True)
+    assert {"starts", "quick"} <= set(KINDS)  # and "ranks" where the collected files hold such tests (make test)
+    last = max(i for i, k in enumerate(KINDS) if k != "quick")
+    assert KINDS[last + 1:] and set(KINDS[last + 1:]) == {"quick"}
+    for i in range(1, last):  # each block of quick tests before the end follows a test marked ranks(n)
+        if KINDS[i] == "quick" and KINDS[i - 1] != "quick":
+            assert KINDS[i - 1] == "ranks", (i, KINDS[i - 1])
+    if "ranks" in KINDS:
+        assert max(i for i, k in enumerate(KINDS) if k == "ranks") < KINDS.index("starts"), "ranks(n) come first"
 
 
 def test_the_tests_that_mostly_wait_are_handed_out_apart():
@@ -631,12 +637,12 @@ def test_the_tests_that_mostly_wait_are_handed_out_apart():
         def get_closest_marker(self, mark):
             return mark if mark in self.marks else None
 
-    items = [Item(f"b{i}", "slow") for i in range(7)] + [Item("s0", "slow", "skip"), Item("nb", suffix=".ipynb")] \
+    items = [Item(f"b{i}", "slow") for i in range(6)] + [Item("s0", "slow", "skip"), Item("nb", suffix=".ipynb")] \
         + [Item(f"w{i}", "slow", "waits") for i in range(3)] + [Item(f"r{i}", "slow", "ranks") for i in range(2)] \
-        + [Item("quick")]
-    spread_the_waiting(items)  # notebooks first (pytest-xdist hands them out first), then ranks(n); skipped last
-    assert [item.name for item in items] == ["nb", "r0", "r1", "w0", "b0", "b1", "b2", "w1", "b3", "b4", "w2", "b5",
-                                             "b6", "s0", "quick"]
+        + [Item("l0", "slow", "long")] + [Item(f"q{i}") for i in range(7)]
+    spread_the_waiting(items)  # notebooks, ranks(n) each with 2 quick ones, long, the rest; skipped, the quick left
+    assert [item.name for item in items] == ["nb", "r0", "q0", "q1", "r1", "q2", "q3", "w0", "l0", "b0", "b1", "w1",
+                                             "b2", "b3", "w2", "b4", "b5", "s0", "q4", "q5", "q6"]
     places = [i for i, waits in enumerate(WAITS) if waits]
     assert all(b - a >= 3 for a, b in zip(places, places[1:], strict=False)), places
 

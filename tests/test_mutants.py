@@ -17,6 +17,7 @@ def test_every_mutation_finds_its_code_exactly_once_in_every_chain_script():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_every_break_of_every_chain_script_turns_its_named_check_red():
     res = run([PYTHON, REPO / "tools/mutants.py"], timeout=600)  # on a small stand-in of its own
     for script in mutants.SCRIPTS:
