@@ -2,7 +2,9 @@
 
 import ast
 import math
+import os
 import re
+import subprocess
 import sys
 import types
 import zlib
@@ -150,9 +152,49 @@ def test_point_to_point_and_the_ring():
 
 @pytest.mark.slow
 @pytest.mark.ranks(3)
-def test_exact_evaluation_vs_the_padded_count(data_dir):
+def test_exact_evaluation_vs_the_padded_count_in_a_finished_three_rank_job_each_way(tmp_path, monkeypatch, capsys):
+    """`make exit-stress RUNS=1` runs `make ddp-eval NPROC=3 ARGS="--subset 10"`'s command twice, leaving with and
+    without os._exit (bench/stress.py exit, called here as that target calls it, in a folder the test keeps): both
+    finish, and the evaluation's numbers are recomputed from the model the script left."""
+    import contextlib
+    import json
+
+    from harness import OUTER_MAKE, TAG, kill_tagged, wait_gone
+
     n, ws = 10, 3
-    out = make("ddp-eval", f"NPROC={ws}", f"ARGS=--subset {n} --data-dir {data_dir}", timeout=120).stdout
+    env = {k: v for k, v in os.environ.items() if k not in OUTER_MAKE}
+    dry = ["make", "-n", "--no-print-directory"]
+    recipe = subprocess.run([*dry, "exit-stress", "RUNS=1", "BENCH_OUT=out"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, env=env).stdout
+    assert re.search(r"\S*python\S* bench/stress\.py exit --runs 1 --output-dir out\s*$", recipe), recipe
+    plain = subprocess.run([*dry, "ddp-eval", f"NPROC={ws}", f"ARGS=--subset {n}"], cwd=REPO, capture_output=True,
+                           text=True, timeout=60, env=env).stdout
+    assert re.search(rf"-m torch\.distributed\.run --standalone --local-addr 127\.0\.0\.1 --nproc-per-node {ws} "
+                     rf"05_collectives/distributed_eval\.py --subset {n}\s*$", plain), plain  # what stress.py runs
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import stress
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setattr(stress.tempfile, "TemporaryDirectory", lambda **_: contextlib.nullcontext(str(work)))
+    for name in OUTER_MAKE:
+        monkeypatch.delenv(name, raising=False)
+    tag = f"exit-{os.getpid()}"
+    monkeypatch.setenv(TAG, tag)
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
+    try:
+        code = stress.main(["exit", "--runs", "1", "--output-dir", str(tmp_path), "--show"])
+        left = wait_gone(tag, 10)
+    finally:
+        kill_tagged(tag)
+    shown = capsys.readouterr().out
+    assert not left, f"processes left behind: {left}"
+    assert code == 0, shown[-4000:]
+    record = json.loads(next(tmp_path.glob("stress_exit_*.json")).read_text())
+    assert record["runs"] == 1 and [r["workaround"] for r in record["per_run"]] == [True, False]
+    assert record["passed_with_workaround"] == 1 and record["passed_without_workaround"] == 1, record["per_run"]
+    out = shown[:shown.index("run 1/1, workaround on ")]  # the first run's output: the workaround on, as by default
+    data_dir = work / "data"
     # the same numbers, recomputed here from the model the script left: one process, image by image
     model = common.ConvNet()
     model.load_state_dict(torch.load(data_dir / "standin" / "distributed_eval_model.pt", weights_only=True))

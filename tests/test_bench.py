@@ -294,13 +294,3 @@ def test_the_elastic_stress_passes_a_run_only_when_compare_checkpoints_says_true
     assert not stress.recovered(line.format("bitwise identical: False", "0.02"))
     assert not stress.recovered(line.format("identical within 1e-05 (trained on a GPU): False", "0.02"))
     assert not stress.recovered("")
-
-
-@pytest.mark.slow
-@pytest.mark.ranks(3)
-def test_make_exit_stress_runs_a_finished_three_rank_job_each_way(tmp_path):
-    """The exit stress target, one run each way: the 3-rank job finishes its work and exits with 0."""
-    make("exit-stress", "RUNS=1", f"BENCH_OUT={tmp_path}", timeout=240)
-    record = json.loads(next(tmp_path.glob("stress_exit_*.json")).read_text())
-    assert record["runs"] == 1 and [r["workaround"] for r in record["per_run"]] == [True, False]
-    assert record["passed_with_workaround"] == 1 and record["passed_without_workaround"] == 1, record["per_run"]
