@@ -73,7 +73,8 @@ def spread_the_waiting(items) -> None:
     place = {id(item): i for i, item in enumerate(busy)} | {id(item): (j + 1) * step - 0.5
                                                             for j, item in enumerate(waiting)}
     ordered = sorted(busy + waiting, key=lambda item: place[id(item)])
-    share = len(quick) * 2 // 3 // max(len(ranks), 1)  # two thirds beside the ranks, a third for the end
+    share = len(quick) * 5 // 6 // max(len(ranks), 1)  # most beside the ranks (each holds the cores for 10 to 25
+    # s, in which the other worker runs about 30 quick tests), a sixth for the end
     beside = {id(item): quick[i * share:(i + 1) * share] for i, item in enumerate(ranks)}
     ordered = [x for item in ordered for x in [item, *beside.get(id(item), [])]]
     items[:] = notebooks + ordered + skipped + quick[len(ranks) * share:]

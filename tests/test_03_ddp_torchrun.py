@@ -192,7 +192,7 @@ def test_fail_at_mid_falls_in_the_last_epoch_of_real_mnist_on_8_ranks(tmp_path):
 def test_torchrun_by_hand_with_nccl_and_no_gpu_per_process_stops_in_one_line(data_dir):
     """No preflight by hand: the script's own device choice (common.device_and_backend) refuses, before any
     process group, what NCCL cannot do. CUDA hidden: the same on any machine."""
-    res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
+    res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "1", "--max-restarts", "0",
                REPO / "03_ddp_torchrun/mnist_torchrun.py", *STANDIN.format(data_dir).split(), "--backend", "nccl"],
               env={"CUDA_VISIBLE_DEVICES": ""}, timeout=90, expect_rc=1)
     assert "RuntimeError: --backend nccl needs CUDA GPUs and none is usable here; use --backend gloo" in res.stderr, \

@@ -643,6 +643,9 @@ def test_the_tests_that_mostly_wait_are_handed_out_apart():
     spread_the_waiting(items)  # notebooks, ranks(n) each with 2 quick ones, long, the rest; skipped, the quick left
     assert [item.name for item in items] == ["nb", "r0", "q0", "q1", "r1", "q2", "q3", "w0", "l0", "b0", "b1", "w1",
                                              "b2", "b3", "w2", "b4", "b5", "s0", "q4", "q5", "q6"]
+    items = [Item(f"r{i}", "slow", "ranks") for i in range(2)] + [Item(f"q{i}") for i in range(12)]
+    spread_the_waiting(items)  # 5/6 of 12 quick tests: 5 beside each, 2 left for the end
+    assert [item.name for item in items] == ["r0", *[f"q{i}" for i in range(5)], "r1", *[f"q{i}" for i in range(5, 12)]]
     places = [i for i, waits in enumerate(WAITS) if waits]
     assert all(b - a >= 3 for a, b in zip(places, places[1:], strict=False)), places
 

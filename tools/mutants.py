@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gc
 import os
 import runpy
 import shutil
@@ -203,6 +204,9 @@ def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float
                   {**base, "RANK": str(r), "LOCAL_RANK": str(r % per_node), "WORLD_SIZE": str(nproc),
                    "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(r // per_node)}) for r in range(nproc)]
     pids = []
+    # what this process holds (torch, torchvision: most of it) moves out of the collector's sight before the forks:
+    # a script's gc.collect() then walks its own objects, not ours, nor copies our pages by touching them
+    gc.freeze()
     for r, (argv, env) in enumerate(ranks):
         log = trace_dir / f"log-{r}.txt"
         pid = os.fork()
@@ -210,6 +214,7 @@ def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float
             os.setpgid(0, 0)
             _child(script, argv, env, trace_dir, log)
         pids.append(pid)
+    gc.unfreeze()
     codes, deadline = {}, time.time() + timeout
     while len(codes) < len(pids) and time.time() < deadline:
         for pid in pids:
