@@ -1,4 +1,5 @@
 import fcntl
+import gc
 import os
 import sys
 from pathlib import Path
@@ -32,6 +33,12 @@ def pytest_collection_modifyitems(config, items):
     harness.spread_the_waiting(items)
     harness.KINDS[:] = [harness.kind(item) for item in items]
     harness.WAITS[:] = [harness.waits(item) for item in harness.handed_out(items)]
+
+
+def pytest_collection_finish(session):
+    """What is alive once the tests are collected (torch, the test modules) stays alive to the end: the collector
+    stops walking it at every full collection (about 7 % of the in-process tests' CPU time)."""
+    gc.freeze()
 
 
 def _made_once(tmp_path_factory, name: str, make) -> Path:

@@ -1,7 +1,7 @@
 """Break the distributed part of each DDP chain script (and cifar_resnet.py) on purpose; a trace check must turn
 red for every break.
 
-    python tools/mutants.py                                    # every script, every mutation (about two minutes)
+    python tools/mutants.py                                    # every script, every mutation (about 30 s on 2 cores)
     python tools/mutants.py --only no-set-epoch --scripts 03_ddp_torchrun/mnist_torchrun.py
     make mutants
 
