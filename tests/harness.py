@@ -161,6 +161,35 @@ def wait_gone(tag: str, seconds: float, group: int | None = None) -> list[int]:
     return left
 
 
+def stress_in_process(argv: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int, str, Path]:
+    """bench/stress.py's main(argv) in this process, as its make targets call it, with the environment
+    harness.make gives a command (no outer make's variables, this interpreter as PY, a tag); stress.py works in a
+    temporary folder it deletes: here that folder is tmp_path/work, kept for the test. (exit code, output, folder)"""
+    import contextlib
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import stress
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setattr(stress.tempfile, "TemporaryDirectory", lambda **_: contextlib.nullcontext(str(work)))
+    for name in OUTER_MAKE:
+        monkeypatch.delenv(name, raising=False)
+    if PYTHON != str(REPO / ".venv/bin/python"):
+        monkeypatch.setenv("MAKEFLAGS", f"PY={PYTHON}")
+    tag = f"stress-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv(TAG, tag)
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
+    try:
+        code = stress.main([*argv, "--output-dir", str(tmp_path)])
+        left = wait_gone(tag, 10)
+    finally:
+        kill_tagged(tag)
+    out = capsys.readouterr().out
+    assert not left, f"processes left behind: {left}"
+    return code, out, work
+
+
 def parse_final(text: str) -> dict:
     """The last `final: key=value ...` line as a dict (numbers converted), or {} if there is none."""
     rows = course.parse_lines(text, "final")

@@ -87,33 +87,12 @@ def test_elastic_restart_recovers_with_identical_weights(tmp_path, monkeypatch, 
     it) is the restart demo: rank 1 fails at batch 20, the group resumes after epoch 1, and the final weights are
     bitwise equal. stress.py works in a temporary folder that it deletes; here that folder is under tmp_path, so
     that the test loads the two checkpoints and compares them itself."""
-    import contextlib
     import json
 
-    from harness import OUTER_MAKE
+    from harness import stress_in_process
 
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    import stress
-
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.setattr(stress.tempfile, "TemporaryDirectory", lambda **_: contextlib.nullcontext(str(work)))
-    # the environment harness.make gives a command: no outer make's variables, this interpreter as PY, a tag
-    for name in OUTER_MAKE:
-        monkeypatch.delenv(name, raising=False)
-    if PYTHON != str(REPO / ".venv/bin/python"):
-        monkeypatch.setenv("MAKEFLAGS", f"PY={PYTHON}")
-    tag = f"elastic-{os.getpid()}"
-    monkeypatch.setenv(TAG, tag)
-    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
-    try:
-        code = stress.main(["elastic", "--runs", "1", "--nproc", "2", "--output-dir", str(tmp_path), "--sides", "on",
-                            "--show", "--device", "cpu"])
-        left = wait_gone(tag, 10)
-    finally:
-        kill_tagged(tag)
-    out = capsys.readouterr().out
-    assert not left, f"processes left behind: {left}"
+    code, out, work = stress_in_process(["elastic", "--runs", "1", "--nproc", "2", "--sides", "on", "--show",
+                                         "--device", "cpu"], tmp_path, monkeypatch, capsys)
     assert code == 0, out[-4000:]
     assert "RuntimeError: simulated failure of rank 1 at training batch 20" in out, out[-4000:]
     assert "resumed from" in out and "after epoch 1" in out  # the restarted group continued

@@ -156,10 +156,9 @@ def test_exact_evaluation_vs_the_padded_count_in_a_finished_three_rank_job_each_
     """`make exit-stress RUNS=1` runs `make ddp-eval NPROC=3 ARGS="--subset 10"`'s command twice, leaving with and
     without os._exit (bench/stress.py exit, called here as that target calls it, in a folder the test keeps): both
     finish, and the evaluation's numbers are recomputed from the model the script left."""
-    import contextlib
     import json
 
-    from harness import OUTER_MAKE, TAG, kill_tagged, wait_gone
+    from harness import OUTER_MAKE, stress_in_process
 
     n, ws = 10, 3
     env = {k: v for k, v in os.environ.items() if k not in OUTER_MAKE}
@@ -171,24 +170,7 @@ def test_exact_evaluation_vs_the_padded_count_in_a_finished_three_rank_job_each_
                            text=True, timeout=60, env=env).stdout
     assert re.search(rf"-m torch\.distributed\.run --standalone --local-addr 127\.0\.0\.1 --nproc-per-node {ws} "
                      rf"05_collectives/distributed_eval\.py --subset {n}\s*$", plain), plain  # what stress.py runs
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    import stress
-
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.setattr(stress.tempfile, "TemporaryDirectory", lambda **_: contextlib.nullcontext(str(work)))
-    for name in OUTER_MAKE:
-        monkeypatch.delenv(name, raising=False)
-    tag = f"exit-{os.getpid()}"
-    monkeypatch.setenv(TAG, tag)
-    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
-    try:
-        code = stress.main(["exit", "--runs", "1", "--output-dir", str(tmp_path), "--show"])
-        left = wait_gone(tag, 10)
-    finally:
-        kill_tagged(tag)
-    shown = capsys.readouterr().out
-    assert not left, f"processes left behind: {left}"
+    code, shown, work = stress_in_process(["exit", "--runs", "1", "--show"], tmp_path, monkeypatch, capsys)
     assert code == 0, shown[-4000:]
     record = json.loads(next(tmp_path.glob("stress_exit_*.json")).read_text())
     assert record["runs"] == 1 and [r["workaround"] for r in record["per_run"]] == [True, False]
