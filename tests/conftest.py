@@ -28,9 +28,9 @@ def pytest_collection_modifyitems(config, items):
         for marker, count in needs.items():
             if marker in item.keywords and gpus < count:
                 item.add_marker(pytest.mark.skip(reason=f"needs {count} usable CUDA GPU(s); this machine has {gpus}"))
-    # the order the tests are handed out in (harness.spread_the_waiting: the order within each group, and of a
+    # the order the tests are handed out in (harness.hand_out_order: the order within each group, and of a
     # notebook's cells, stays)
-    harness.spread_the_waiting(items)
+    harness.hand_out_order(items)
     harness.KINDS[:] = [harness.kind(item) for item in items]
     harness.WAITS[:] = [harness.waits(item) for item in harness.handed_out(items)]
 

@@ -46,7 +46,7 @@ def waits(item) -> bool:
     return item.get_closest_marker("waits") is not None
 
 
-def spread_the_waiting(items) -> None:
+def hand_out_order(items) -> None:
     """The order pytest-xdist hands the tests out in (both workers take the next one as they get free):
     - the notebooks first (whole, the largest units first);
     - the tests marked ranks(n), one after another: each holds the cores alone (cores), so the other worker waits
@@ -73,8 +73,9 @@ def spread_the_waiting(items) -> None:
     place = {id(item): i for i, item in enumerate(busy)} | {id(item): (j + 1) * step - 0.5
                                                             for j, item in enumerate(waiting)}
     ordered = sorted(busy + waiting, key=lambda item: place[id(item)])
-    share = len(quick) * 5 // 6 // max(len(ranks), 1)  # most beside the ranks (each holds the cores for 10 to 25
-    # s, in which the other worker runs about 30 quick tests), a sixth for the end
+    # five sixths of the quick tests beside the ranks(n) tests (each holds the cores for 10 to 25 s, time for about
+    # 30 quick ones), a sixth for the end
+    share = len(quick) * 5 // 6 // max(len(ranks), 1)
     beside = {id(item): quick[i * share:(i + 1) * share] for i, item in enumerate(ranks)}
     ordered = [x for item in ordered for x in [item, *beside.get(id(item), [])]]
     items[:] = notebooks + ordered + skipped + quick[len(ranks) * share:]

@@ -628,7 +628,7 @@ def test_the_quick_tests_go_beside_the_ranks_tests_and_at_the_end():
 def test_the_tests_that_mostly_wait_are_handed_out_apart():
     """Two tests marked waits side by side would leave both cores idle: conftest spreads them out among the other
     tests that start processes, in this run's order and in a made-up one."""
-    from harness import WAITS, spread_the_waiting
+    from harness import WAITS, hand_out_order
 
     class Item:
         def __init__(self, name, *marks, suffix=".py"):
@@ -640,11 +640,11 @@ def test_the_tests_that_mostly_wait_are_handed_out_apart():
     items = [Item(f"b{i}", "slow") for i in range(6)] + [Item("s0", "slow", "skip"), Item("nb", suffix=".ipynb")] \
         + [Item(f"w{i}", "slow", "waits") for i in range(3)] + [Item(f"r{i}", "slow", "ranks") for i in range(2)] \
         + [Item("l0", "slow", "long")] + [Item(f"q{i}") for i in range(7)]
-    spread_the_waiting(items)  # notebooks, ranks(n) each with 2 quick ones, long, the rest; skipped, the quick left
+    hand_out_order(items)  # notebooks, ranks(n) each with 2 quick ones, long, the rest; skipped, the quick left
     assert [item.name for item in items] == ["nb", "r0", "q0", "q1", "r1", "q2", "q3", "w0", "l0", "b0", "b1", "w1",
                                              "b2", "b3", "w2", "b4", "b5", "s0", "q4", "q5", "q6"]
     items = [Item(f"r{i}", "slow", "ranks") for i in range(2)] + [Item(f"q{i}") for i in range(12)]
-    spread_the_waiting(items)  # 5/6 of 12 quick tests: 5 beside each, 2 left for the end
+    hand_out_order(items)  # 5/6 of 12 quick tests: 5 beside each, 2 left for the end
     assert [item.name for item in items] == ["r0", *[f"q{i}" for i in range(5)], "r1", *[f"q{i}" for i in range(5, 12)]]
     places = [i for i, waits in enumerate(WAITS) if waits]
     assert all(b - a >= 3 for a, b in zip(places, places[1:], strict=False)), places
