@@ -238,15 +238,26 @@ def test_python_3_10_is_enough_as_the_readme_and_pyproject_say():
         ast.parse(path.read_text(), str(path), feature_version=(3, 10))
 
 
-def test_each_section_readme_ends_with_its_pitfalls_and_its_differences_from_the_notes():
-    """README.md and docs/source-notes.md: each section README ends with where the course departs from the notes;
-    docs/troubleshooting.md: its pitfalls come just before (05's are its error gallery)."""
+def test_each_section_readme_ends_with_its_pitfalls_and_links_its_differences_from_the_notes():
+    """README.md and docs/source-notes.md: each section README ends with its pitfalls (05's are its error gallery)
+    and one line linking its part of docs/source-notes.md, where the course departs from the notes; that part
+    exists and holds a table."""
     readmes = sorted(REPO.glob("0[0-9]_*/README.md"))
     assert len(readmes) == 7
+    notes = (REPO / "docs/source-notes.md").read_text()
+    anchors = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-"): h for h in re.findall(r"^## (.+)$", notes, re.M)}
     for readme in readmes:
-        headings = re.findall(r"^## (.+)$", readme.read_text(), re.M)
-        assert headings[-1] == "Differences from the source notes", readme
-        assert headings[-2] in ("Pitfalls", "The error gallery"), (readme, headings[-2])
+        text = readme.read_text()
+        headings = re.findall(r"^## (.+)$", text, re.M)
+        assert headings[-1] in ("Pitfalls", "The error gallery"), (readme, headings[-1])
+        last = text.strip().splitlines()[-1]
+        link = re.fullmatch(r"Where this section departs from the source notes, and why: "
+                            r"\[docs/source-notes\.md\]\(\.\./docs/source-notes\.md#([\w-]+)\)\.", last)
+        assert link, (readme, last)
+        heading = anchors.get(link.group(1))
+        assert heading and heading.startswith(readme.parent.name + ": "), (readme, link.group(1), sorted(anchors))
+        part = notes.partition(f"## {heading}\n")[2].split("\n## ")[0]
+        assert "| the notes say or do |" in part, heading
 
 
 def test_make_test_runs_two_workers_and_test_fast_leaves_out_the_slow_tests_and_the_notebooks():

@@ -3,9 +3,9 @@ the course's way. Runs are checks only (make's preflight: the flags are parsed a
 and nothing is launched; a script that needs no preflight only parses its flags here), all in one interpreter,
 so that every command costs well under a second.
 
-Also the notes' hyperparameters next to the course's: the numbers that the section READMEs' "Differences from the
-source notes" rows give for the course are the scripts' defaults and the constants in their code (read without
-training, from the parser each script builds)."""
+Also the notes' hyperparameters next to the course's: the numbers that the rows of docs/source-notes.md's tables
+(where the course departs from the notes) give for the course are the scripts' defaults and the constants in their
+code (read without training, from the parser each script builds)."""
 
 import argparse
 import inspect
@@ -115,9 +115,18 @@ HYPERPARAMETER_ROWS = {  # id: (README, how its row begins, the scripts the row'
 }
 
 
+def notes_table(folder: str) -> str:
+    """docs/source-notes.md's part for one section folder: from its heading to the next."""
+    text = (REPO / "docs/source-notes.md").read_text()
+    found = re.search(rf"^## {folder}: .*?(?=^## |\Z)", text, re.M | re.S)
+    assert found, f"docs/source-notes.md has no part headed ## {folder}: ..."
+    return found.group(0)
+
+
 def course_cell(readme: str, begins: str) -> str:
-    """The last cell ("the course does, and why") of the one row of the README's differences table that begins so."""
-    table = (REPO / readme).read_text().partition("## Differences from the source notes")[2]
+    """The last cell ("the course does, and why") of the one row of the section's differences table (in
+    docs/source-notes.md, under the section's folder) that begins so."""
+    table = notes_table(Path(readme).parent.name)
     found = [line for line in table.splitlines() if line.startswith(f"| {begins}")]
     assert len(found) == 1, f"{readme}: {len(found)} rows of the differences table begin with {begins!r}"
     return re.split(r"(?<!\\)\|", found[0].strip().strip("|"))[-1].strip()
