@@ -116,7 +116,8 @@ def draw(out, model_name, summary):
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is not installed: no picture (the numbers are in timeline.json)", flush=True)
+        print(f"no plot timeline_{model_name}.png: matplotlib is not installed here (the numbers are in timeline.json)",
+              flush=True)
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -3,8 +3,8 @@
 Each op prints a little table (one line per rank) and compares the result with its closed-form
 answer; the script exits with 1 if any op misbehaves. Works with any world size from 2 up, with Gloo
 on CPU tensors or NCCL on GPU tensors (one GPU per process). NCCL has no bitwise reductions
-(BAND, BOR, BXOR), and Gloo in torch 2.11 has no list form of all_to_all: they are listed as not supported, not
-run.
+(BAND, BOR, BXOR), and Gloo before torch 2.14 has no list form of all_to_all: they are listed as not supported,
+not run.
 
     torchrun --standalone --nproc-per-node 4 05_collectives/collectives.py
     make collectives NPROC=4
@@ -27,9 +27,25 @@ FAILED = []
 # the old names
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-# Gloo's list form of all_to_all: "Backend gloo does not support alltoall" in torch 2.11.0, supported in 2.14.1
-GLOO_ALL_TO_ALL_LIST = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14)
 UNSUPPORTED = {"nccl": {"BAND", "BOR", "BXOR"}}  # ReduceOps a backend refuses (see backend_matrix.py)
+
+
+def has_list_all_to_all(backend, ws) -> bool:
+    """Whether this backend runs the list form of all_to_all. Gloo gained it after torch 2.11, which refuses the call
+    on every rank before anything is sent ("Backend gloo does not support alltoall"). Asked once, in a throwaway
+    group: a collective that failed must never be caught and carried on with in a group that is used again."""
+    probe = dist.new_group(backend=backend)
+    device = "cuda" if backend == "nccl" else "cpu"
+    try:
+        dist.all_to_all([torch.zeros(1, device=device) for _ in range(ws)],
+                        [torch.zeros(1, device=device) for _ in range(ws)], group=probe)
+        return True
+    except RuntimeError as refused:
+        if "does not support alltoall" not in str(refused):
+            raise
+        return False
+    finally:
+        dist.destroy_process_group(probe)
 
 
 def table(rank, title, before, after, expected=None):
@@ -135,7 +151,7 @@ def run_all(rank, ws, device, backend):
 
     send = [t(10 * rank + j) for j in range(ws)]  # piece j goes to rank j
     recv = [t(-1) for _ in range(ws)]
-    if backend == "gloo" and not GLOO_ALL_TO_ALL_LIST:
+    if not has_list_all_to_all(backend, ws):
         if rank == 0:
             print(f"all_to_all  [not supported by gloo in torch {torch.__version__}: not run]")
     else:

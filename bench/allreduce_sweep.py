@@ -187,7 +187,7 @@ def report(rows, ring, ws, backend, device, limit, args):
     paths = benchlib.write_results(out, name, {"bench": "allreduce_sweep", "machine": machine, "quick": args.quick,
                                                "memcpy_GBps": limit, "rows": rows, "ring_vs_all_reduce": ring},
                                    lines)
-    plt = benchlib.pyplot()
+    plt = benchlib.pyplot(out / f"{name}.png")
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for op in BUS_FACTOR:

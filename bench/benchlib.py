@@ -16,12 +16,18 @@ import platform
 import re
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from tools import course
+# `python bench/NAME.py` from the course's root, with an interpreter that has no install of the course: the root is
+# not on sys.path (the script's folder is), so common and tools would not be found
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+from tools import course  # noqa: E402
 
 
 def positive_int(text: str) -> int:
@@ -187,11 +193,18 @@ def write_results(out_dir, name: str, payload: dict, md_lines: list[str]) -> lis
     return paths
 
 
-def pyplot():
-    """matplotlib's pyplot without a display, or None if matplotlib is not installed."""
+def no_plot_line(png) -> str:
+    """The one line a benchmark prints instead of drawing `png` where matplotlib is missing."""
+    png = Path(png)
+    return f"no plot {png.name}: matplotlib is not installed here (the numbers are in {png.with_suffix('.json').name})"
+
+
+def pyplot(png):
+    """matplotlib's pyplot without a display, or None if matplotlib is not installed (saying so, in one line)."""
     try:
         import matplotlib
     except ImportError:
+        print(no_plot_line(png), flush=True)
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -202,7 +215,7 @@ def pyplot():
 def bar_plot(path, labels: list[str], summaries: list[dict], ylabel: str, title: str, colors=None,
              hline: float | None = None, hline_label: str = "") -> Path | None:
     """Bars at the median, whiskers from the smallest to the largest round, and an optional reference line."""
-    plt = pyplot()
+    plt = pyplot(path)
     if plt is None:
         return None
     meds = [s["median"] for s in summaries]

@@ -191,6 +191,23 @@ def stress_in_process(argv: list[str], tmp_path: Path, monkeypatch, capsys) -> t
     return code, out, work
 
 
+def gloo_has_list_all_to_all() -> bool:
+    """Whether this torch's Gloo runs the list form of all_to_all (2.14 does, 2.11 refuses it), asked of a one-rank
+    Gloo group in this process: the test's own answer, not the script's."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
+    try:
+        group.alltoall([torch.zeros(1)], [torch.ones(1)]).wait()
+        return True
+    except RuntimeError as refused:
+        assert "does not support alltoall" in str(refused), refused
+        return False
+
+
 def parse_final(text: str) -> dict:
     """The last `final: key=value ...` line as a dict (numbers converted), or {} if there is none."""
     rows = course.parse_lines(text, "final")

@@ -341,7 +341,11 @@ def test_timeline_all_reduce_overlaps_backward_only_with_several_buckets(tmp_pat
     summary = json.loads((tmp_path / "timeline.json").read_text())["results"]
     assert summary["resnet18/default"]["hidden_share"] > 0
     assert summary["resnet18/one-bucket"]["hidden_share"] == 0
-    assert (tmp_path / "timeline_resnet18.png").stat().st_size > 10_000
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "timeline_resnet18.png").stat().st_size > 10_000
+    else:  # one line says why there is no picture, and nothing else is missing
+        why = "no plot timeline_resnet18.png: matplotlib is not installed here (the numbers are in timeline.json)"
+        assert out.splitlines().count(why) == 1 and not (tmp_path / "timeline_resnet18.png").exists(), out
     assert re.search(r"resnet18 +default +step", out), out
 
 

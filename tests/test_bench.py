@@ -2,10 +2,12 @@
 produce well-formed results (JSON, markdown, PNG) for every benchmark. No speed is judged here: a measured speed
 only has to be a finite, positive number."""
 
+import importlib.util
 import json
 import math
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,7 +119,11 @@ def test_bench_quick_writes_well_formed_results(bench, tmp_path, data_dir):
     md = stem.with_suffix(".md").read_text()
     assert md.startswith("# ") and "| ---" in md, f"{bench}: no markdown table"
     assert "> Quick run" in md, f"{bench}: a quick table must say that it is one"
-    assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{bench}: not a PNG"
+    png = stem.with_suffix(".png")
+    if importlib.util.find_spec("matplotlib"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{bench}: not a PNG"
+    else:  # an interpreter without matplotlib (a GPU host's, say): one line says why there is no picture
+        assert not png.exists() and result.stdout.splitlines().count(benchlib.no_plot_line(png)) == 1, result.tail()
     if "per_round" in data:  # measured in rounds: median, min and max
         assert data["results"] and all(well_formed(s) for s in data["results"].values()), data["results"]
         assert_rotated(data["per_round"], bench)
@@ -238,26 +244,23 @@ def test_resnet18s_last_convolutions_hold_more_than_5_mb_each():
 
 
 def test_gpu_check_rewrites_its_file_after_every_step_and_exits_1_if_a_step_failed(monkeypatch, tmp_path):
-    """A part stopped from outside keeps the steps it finished; a failed step's log goes to <name>_logs/; the limits
-    of one part add up to at most the figure bench/README.md gives."""
+    """A part stopped from outside keeps the steps it finished; a failed step's log goes into the one tar.gz; the
+    limits add up to at most the figure bench/README.md gives."""
     import shlex
+    import tarfile
 
     import gpu_check
 
-    assert f"add up to at most {gpu_check.PART_LIMIT_S} s" in (REPO / "bench/README.md").read_text()
-    figures = [s for s in gpu_check.plan(8) if s.name in ("bench-amp", "bench-throughput", "bench-allreduce",
-                                                          "bench-buckets")]
-    assert len(figures) == 4 and all("--rounds 3" in " ".join(s.cmd) for s in figures), "the figures: 3 rounds"
-    before, log_dirs = [], []
+    assert f"add up to at most {gpu_check.COMMAND_LIMIT_S} s" in (REPO / "bench/README.md").read_text()
+    before = []
 
-    def fake_step(step, log_dir, tag=None, py=None, linger=5.0):
+    def fake_step(step, tag=None, py=None, linger=5.0, stop=None):
         written = sorted(tmp_path.glob("gpu_check_*.json"))
         before.append([r["step"] for r in json.loads(written[0].read_text())["steps"]] if written else [])
-        log_dirs.append(log_dir)
         passed = len(before) != 2
-        return {"step": step.name, "passed": passed, "why": None if passed else "exit code 1", "seconds": 0.1,
-                "timeout": step.timeout, "note": "", "command": shlex.join(step.cmd),
-                "log": None if passed else str(log_dir / f"{step.name}.log"), "final": {}}
+        return {"step": step.name, "group": step.group, "passed": passed, "why": None if passed else "exit code 1",
+                "started": 0.0, "seconds": 0.1, "timeout": step.timeout, "note": "", "command": shlex.join(step.cmd),
+                "final": {}, **({} if passed else {"log": "what it printed"})}
 
     monkeypatch.setattr(gpu_check, "run_step", fake_step)
     monkeypatch.setattr(gpu_check, "can_make_netns", lambda: False)
@@ -267,7 +270,10 @@ def test_gpu_check_rewrites_its_file_after_every_step_and_exits_1_if_a_step_fail
     steps = [s.name for s in gpu_check.parts(gpu_check.plan(1))["targets-1"]]
     assert code == 1 and len(steps) >= 3
     assert before == [steps[:i] for i in range(len(steps))], "the file holds every finished step, step by step"
-    assert {d.parent for d in log_dirs} == {tmp_path} and all(d.name.endswith("_logs") for d in log_dirs)
+    logs = list(tmp_path.glob("gpu_check_targets-1_*_logs.tar.gz"))
+    with tarfile.open(logs[0]) as tar:
+        assert [Path(n).name for n in tar.getnames()] == [f"{steps[1]}.log"]
+        assert tar.extractfile(tar.getnames()[0]).read() == b"what it printed"
 
 
 def test_benchmarks_refuse_bad_input(tmp_path):

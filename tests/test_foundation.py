@@ -1,6 +1,7 @@
 """The foundation as a user meets it: make targets, the baseline run, copying a script, the diff tool."""
 
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -400,10 +401,19 @@ def test_the_torch_range_is_the_range_that_ran():
     assert "broken failed as it should" in gallery["2.11.0"][0] and "broken RAN" in gallery[pinned][0], gallery
 
 
-def test_make_reinstalls_when_the_requirements_change():
-    dry = run(["make", "-n", "-W", "requirements.txt", "smoke"]).stdout  # -W: as if the file had just changed
+def test_make_reinstalls_when_the_requirements_change(tmp_path):
+    """In a copy of the course's Makefile and requirements beside a .venv installed after them (so that it holds
+    whatever interpreter runs the tests, .venv or not): nothing to install; after a change to requirements.txt
+    (-W: as if it had just been written), make installs again."""
+    for name in ("Makefile", "requirements.txt", "requirements-dev.txt", "requirements-dev.lock", "pyproject.toml"):
+        (tmp_path / name).write_bytes((REPO / name).read_bytes())
+    (tmp_path / ".venv/bin").mkdir(parents=True)
+    (tmp_path / ".venv/bin/python").symlink_to(PYTHON)
+    (tmp_path / ".venv/.installed").touch()
+    up_to_date = run(["make", "-n", "smoke"], cwd=tmp_path).stdout
+    assert "pip install" not in up_to_date and "mnist_single.py" in up_to_date, up_to_date
+    dry = run(["make", "-n", "-W", "requirements.txt", "smoke"], cwd=tmp_path).stdout
     assert "pip install" in dry and "-r requirements-dev.txt" in dry
-    assert "pip install" not in run(["make", "-n", "smoke"]).stdout
     assert "--index-url" not in dry  # the default: the package index's CUDA build, as the course's machines reach it
 
 
@@ -425,6 +435,50 @@ for folder in sys.argv[1:]:  # what `python FOLDER/script.py` finds: sys.path[0]
     importlib.invalidate_caches()
     print(folder, *(getattr(importlib.util.find_spec(n), "origin", None) for n in ("common", "workarounds", "tools")))
 """
+
+
+BARE_HELP = r"""
+import contextlib, io, json, os, runpy, sys
+sys.path.remove("")  # `python -c` puts the working folder (the root) first; `python SCRIPT` does not
+import torch  # kept between the scripts; the course's own modules are imported anew by each
+before, results, path = set(sys.modules), [], list(sys.path)
+for script in sys.argv[1:]:
+    for name in set(sys.modules) - before:  # the course's modules and the scripts', not torch's
+        where = getattr(sys.modules[name], "__file__", None) or ""
+        if where.startswith(os.getcwd() + os.sep) and "site-packages" not in where:
+            del sys.modules[name]
+    out = io.StringIO()
+    sys.argv, sys.path[:] = [script, "--help"], [os.path.dirname(os.path.abspath(script)), *path]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    except Exception as err:  # noqa: BLE001 - what a user would see instead of the help
+        code = f"{type(err).__name__}: {err}"
+    results.append([script, code, "usage: " in out.getvalue(), out.getvalue()[:300]])
+print(json.dumps(results))
+"""
+
+
+def test_every_course_tool_answers_help_from_the_root_with_an_interpreter_without_the_course(bare):
+    """docs and docstrings show `python bench/NAME.py ...` and `python tools/NAME.py ...` run from the course's root:
+    with an interpreter that holds torch and not the course (a GPU host's python3, PY=python3), each finds the
+    course's modules by itself and answers --help."""
+    scripts = sorted(str(p.relative_to(REPO)) for folder in ("bench", "tools") for p in (REPO / folder).glob("*.py")
+                     if "__main__" in p.read_text())
+    assert len(scripts) >= 15 and "bench/gpu_check.py" in scripts and "tools/tracecheck.py" in scripts, scripts
+    res = run([bare, "-c", BARE_HELP, *scripts], env=BARE_ENV, timeout=180)
+    for script, code, usage, out in json.loads(res.stdout):
+        assert code == 0 and usage, (script, code, out)
+    # the lesson's scripts stay free of path tricks: they find common.py through PYTHONPATH (docs/setup.md), as make
+    # gives it to every process it starts
+    lessons = sorted(str(p.relative_to(REPO)) for p in REPO.glob("0[1-9]_*/*.py") if "argparse" in p.read_text())
+    res = run([bare, "-c", BARE_HELP, *lessons], env={"PYTHONPATH": str(REPO)}, timeout=180)
+    for script, code, usage, out in json.loads(res.stdout):
+        assert code == 0 and usage, (script, code, out)
+    assert len(lessons) >= 25
 
 
 def test_common_imports_from_every_numbered_folder_without_pythonpath(tmp_path):
@@ -459,8 +513,9 @@ def test_the_rendezvous_store_listens_on_every_interface():
 
 
 def test_gpu_check_lists_its_plan_for_a_machine_with_two_gpus():
-    out = python("bench/gpu_check.py", "--list", "--gpus", "2").stdout
-    assert "ddp-torchrun" in out and re.search(r"^bench-allreduce\s+make .*NPROC=2", out, re.M), out
+    out = python("bench/gpu_check.py", "--list", "--gpus", "2", "--cores", "16").stdout
+    assert "ddp-torchrun" in out and re.search(r"^  allreduce-busbw\s+make .*bench-allreduce NPROC=2", out, re.M), out
+    assert re.search(r"^then \d+ streams side by side", out, re.M) and re.search(r"^targets-1: ", out, re.M), out
 
 
 def test_every_line_about_distribution_is_marked_in_the_training_scripts():
@@ -508,8 +563,8 @@ def test_the_harness_fails_a_command_that_leaves_a_process_behind_and_stops_it()
 def test_what_make_starts_prints_each_line_as_it_comes():
     """Output to a file or a pipe is block-buffered unless PYTHONUNBUFFERED is set: the Makefile sets it."""
     probe = "buffering-probe: ; @$(PY) -c 'import sys; print(sys.stdout.write_through)'"
-    result = run(["make", "--no-print-directory", "--eval", probe, "buffering-probe"],
-                 env={"PYTHONUNBUFFERED": ""}, timeout=60)  # empty: as if the tests did not set it
+    result = make("--eval", probe, "buffering-probe", env={"PYTHONUNBUFFERED": ""},
+                  timeout=60)  # empty: as if the tests did not set it
     assert result.stdout.split() == ["True"], result.stdout
 
 

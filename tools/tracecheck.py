@@ -16,7 +16,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.tracer import REDUCTIONS
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]  # `python tools/tracecheck.py` finds tools/
+
+from tools.tracer import REDUCTIONS  # noqa: E402
 
 
 @dataclass
