@@ -327,12 +327,15 @@ compat: ## TORCH=2.11.0: the course on another torch (a side .venv-torch2.11.0 f
 	@test -n "$(TORCH)" || { echo "error: name the torch release: make compat TORCH=2.11.0" >&2; exit 2; }
 	$(PYTHON) tools/compat.py --torch $(TORCH) $(if $(RECORD),--record)
 
-# In parts that each end within 9 minutes (a borrowed GPU machine gives one command 10): PART=list (the default)
-# shows them, PART=NAME runs one, PART=all all of them. Results go to runs/gpu_check/; RECORD=1 writes them into
-# bench/results/. With PY=... on the command line every step's make uses that interpreter too.
-gpu-check: $(STAMP) ## on a GPU machine, in parts: the GPU tests, every target on CUDA, GPU figures (PART=list|NAME|all)
-	$(PY) bench/gpu_check.py --part $(or $(PART),list) $(if $(filter-out 0 no,$(RECORD)),--record) \
-	  $(if $(filter command line,$(origin PY)),--py $(PY)) $(ARGS)
+# One command of about 9 minutes on a GPU host with 8 cores or more (a borrowed GPU machine gives one command 10):
+# the figures on the idle GPU, then the suite and every CUDA step side by side (bench/gpu_check.py). Results go to
+# runs/gpu_check/ (OUT_DIR= elsewhere; RECORD=1: bench/results/). A host with fewer cores runs the same steps in
+# parts: PART=list shows them, PART=NAME runs one. With PY=... on the command line every step uses that interpreter.
+PART ?=
+OUT_DIR ?=
+gpu-check: $(STAMP) ## on a GPU machine: GPU figures, then the suite and every CUDA step side by side, in one command
+	$(PY) bench/gpu_check.py $(if $(PART),--part $(PART)) $(if $(filter-out 0 no,$(RECORD)),--record) \
+	  $(if $(OUT_DIR),--output-dir $(OUT_DIR)) $(if $(filter command line,$(origin PY)),--py $(PY)) $(ARGS)
 
 # ------------------------------------------------------------------ tests and tools
 

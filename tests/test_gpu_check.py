@@ -1,10 +1,14 @@
-"""make gpu-check: what runs where, in which part, within which time limits; and its rehearsal on this CPU machine
-for a pretended GPU count (dry runs of every step, one short step for real, a step that runs out of time)."""
+"""make gpu-check: what runs where, in one command or in parts, within which time limits; and its rehearsal on this
+CPU machine for a pretended GPU and core count (dry runs of every step, two steps for real, one of them past its
+limit)."""
 
+import _thread
 import json
 import re
 import subprocess
 import sys
+import tarfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -25,6 +29,7 @@ NOT_RUN_BY_GPU_CHECK = {"help", "setup", "data", "test", "test-fast", "notebooks
                         "doctor",  # a check-up of the user's own script, which names it
                         "existing-python"}  # the setup step of PY=python3
 ONE_COMMAND_S = 600  # what a borrowed GPU machine gives one command
+CORES = 16  # a typical rented GPU host
 
 
 def make_targets() -> set[str]:
@@ -32,11 +37,14 @@ def make_targets() -> set[str]:
     return set(" ".join(re.findall(r"^\.PHONY:(.*)$", makefile, re.M)).split())
 
 
+def var(step, name):
+    return next((a.split("=", 1)[1] for a in step.cmd if a.startswith(name + "=")), None)
+
+
 @pytest.mark.parametrize("gpus", [0, 1, 2, 8])
 def test_gpu_check_plans_every_target_for_the_gpus_present(gpus, monkeypatch):
-    from gpu_check import plan
-
-    steps = plan(gpus, is_root=False)
+    """Every example target is a step, or left to the suite with the reason, and the suite really runs those."""
+    steps = gpu_check.plan(gpus, is_root=False, cores=CORES)
     if gpus == 0:
         assert steps == []
         return
@@ -44,77 +52,96 @@ def test_gpu_check_plans_every_target_for_the_gpus_present(gpus, monkeypatch):
     for step in steps:
         if step.cmd[0] == "make":
             by_target.setdefault(step.cmd[2], []).append(step)
-    assert set(by_target) == make_targets() - NOT_RUN_BY_GPU_CHECK, "every example target runs once"
-    pytests = [s for s in steps if s.group == "tests"]
-    assert steps[0] is pytests[0] and all("cuda or multigpu" in s.cmd for s in pytests)
-    files = [a for s in pytests for a in s.cmd if a.startswith("tests/")]
-    marked = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
-                    if re.search(r"@pytest\.mark\.(cuda|multigpu)\b", p.read_text()))
-    assert sorted(files) == marked, "every test file with GPU tests, each in one part"
-
-    def var(target, name):
-        return next((a.split("=", 1)[1] for a in by_target[target][0].cmd if a.startswith(name + "=")), None)
-
-    if gpus == 1:  # several processes share the one GPU through Gloo; what needs 2 GPUs says so
-        assert var("ddp-torchrun", "NPROC") == "2" and var("ddp-torchrun", "ARGS") == "--device cuda --backend gloo"
-        assert by_target["bench-allreduce"][0].skip == "not run: needs 2 GPUs"
-        assert "needs 2 GPUs" in by_target["collectives"][0].note
+    left = gpu_check.left_to_the_suite(gpus)
+    by_target.pop("smoke")  # the figures' MNIST on one GPU
+    assert not set(by_target) & set(left), "a step is not also left to the suite"
+    assert set(by_target) | set(left) == make_targets() - NOT_RUN_BY_GPU_CHECK - {"smoke"}
+    tests = "\n".join(p.read_text() for p in (REPO / "tests").glob("test_*.py"))
+    records = {p.name for p in (REPO / "bench/results").glob("*.json")}
+    for target in left:  # a test of the suite names it, or it is a repeated run recorded on the CPU
+        record = {"free-stress": "stress_free_", "bench-memory": "memory_"}.get(target)
+        assert re.search(rf"""["']{target}["']""", tests) or (record and any(r.startswith(record) for r in records)), \
+            f"{target} is not a step, and neither the suite nor a record runs it"
+    suite = [s for s in steps if s.group == "tests"]
+    assert len(suite) == 1 and suite[0].cmd[1:5] == ["-m", "pytest", "-n", str(gpu_check.suite_workers(CORES))]
+    assert "tests" in suite[0].cmd and "-m" not in suite[0].cmd[2:], "the whole suite: no marker selection"
+    if gpus == 1:  # several processes share the one GPU through Gloo
+        assert var(by_target["ddp-torchrun"][0], "NPROC") == "2"
+        assert var(by_target["ddp-torchrun"][0], "ARGS") == "--device cuda --backend gloo"
+        assert "collectives" in left and "bench-allreduce" in left
     else:  # one process per GPU with NCCL
-        assert var("ddp-torchrun", "NPROC") == str(gpus) and var("ddp-torchrun", "ARGS") is None
-        assert var("bench-allreduce", "NPROC") == str(gpus) and not by_target["bench-allreduce"][0].skip
-        assert var("multinode-tcp", "NPROC") == str(gpus // 2), "2 nodes x NPROC: one GPU per process"
-    assert var("ddp-basics", "NPROC") == (str(gpus // 2) if gpus >= 4 else ("2" if gpus == 1 else str(gpus)))
+        assert var(by_target["ddp-torchrun"][0], "NPROC") == str(gpus)
+        assert var(by_target["ddp-torchrun"][0], "ARGS") is None
+        assert var(by_target["bench-allreduce"][0], "NPROC") == str(gpus)
+        assert var(by_target["multinode-tcp"][0], "NPROC") == str(gpus // 2), "2 nodes x NPROC: one GPU per process"
+        assert by_target["multinode-netns"][0].skip == "needs root allowed to create network namespaces"
+        assert not gpu_check.plan(gpus, is_root=True)[[s.name for s in steps].index("multinode-netns")].skip
     # every ddp-basics step that runs the model-parallel demo asks for a placement this machine can give
     monkeypatch.syspath_prepend(str(REPO / "02_ddp_spawn"))
     import ddp_basics
 
-    ALL_DEMOS = "basic checkpoint model-parallel process"  # noqa: N806 - the Makefile's default DEMOS
-    demos = {tuple(dict(a.split("=", 1) for a in s.cmd[3:]).get("DEMOS", ALL_DEMOS).split()): s
-             for s in by_target["ddp-basics"]}
-    assert sorted(d for names in demos for d in names) == ["basic", "checkpoint", "model-parallel", "process"]
-    step = next(s for names, s in demos.items() if "model-parallel" in names)
-    found = dict(a.split("=", 1) for a in step.cmd[3:])
-    flags = dict(zip(*[iter((found.get("ARGS") or "").split())] * 2, strict=True))
-    monkeypatch.setattr(common, "usable_gpus", lambda: gpus)
-    ddp_basics.model_parallel_placement(flags.get("--device", "auto"), flags.get("--backend"), int(found["NPROC"]))
-    assert by_target["multinode-netns"][0].skip == "needs root allowed to create network namespaces"
-    assert not plan(gpus, is_root=True)[[s.name for s in steps].index("multinode-netns")].skip
+    basics = by_target["ddp-basics"][0]
+    demos = (var(basics, "DEMOS") or "basic checkpoint model-parallel process").split()
+    assert ("model-parallel" in demos) == (gpus >= 2)
+    if "model-parallel" in demos:
+        flags = dict(zip(*[iter((var(basics, "ARGS") or "").split())] * 2, strict=True))
+        monkeypatch.setattr(common, "usable_gpus", lambda: gpus)
+        ddp_basics.model_parallel_placement(flags.get("--device", "auto"), flags.get("--backend"),
+                                            int(var(basics, "NPROC")))
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])
-def test_every_part_ends_within_one_borrowed_command(gpus, capsys):
-    """The time limits of a part add up to at most PART_LIMIT_S, which leaves a minute of the 10 a borrowed GPU
-    machine gives one command; every step is in exactly one part, in the plan's order; a step's limit is above
-    the time it is expected to take."""
-    steps = gpu_check.plan(gpus, is_root=True)
-    parts = gpu_check.parts(steps)
-    assert gpu_check.PART_LIMIT_S <= ONE_COMMAND_S - 60
-    for name, part in parts.items():
-        limits, typical = gpu_check.budget(part)
-        assert 0 < limits <= gpu_check.PART_LIMIT_S, (name, limits)
-        order = [steps.index(s) for s in part]
-        assert order == sorted(order), name
-    assert sorted((s for p in parts.values() for s in p), key=steps.index) == steps
-    assert all(s.typical < s.timeout <= gpu_check.PART_LIMIT_S for s in steps)
-    assert len({s.name for s in steps}) == len(steps), "a step is named by its name alone (--only, the results)"
-    assert [n for n in parts if n.startswith("tests")] == (["tests"] if gpus == 1 else ["tests-1", "tests-2"])
-    assert list(parts)[-1].startswith("bench") and any(n.startswith("targets-") for n in parts)
-    # about 20 minutes on one GPU, 30 on eight: the expected times, not the limits
-    total = sum(gpu_check.budget(p)[1] for p in parts.values())
-    assert total <= (30 if gpus == 1 else 40) * 60, total
-    gpu_check.show(parts, gpus)
+def test_the_one_command_fits_its_limits(gpus, capsys):
+    """The figures' limits plus those of any one stream add up to at most COMMAND_LIMIT_S, which leaves a minute of
+    the 10 a borrowed GPU machine gives one command; the figures come first and are the figures; the suite has a
+    stream of its own; every step is in exactly one place, in the plan's order within its stream."""
+    steps = gpu_check.plan(gpus, is_root=True, cores=CORES)
+    cmd = gpu_check.one_command(steps)
+    assert gpu_check.COMMAND_LIMIT_S <= ONE_COMMAND_S - 60 - 60  # and a minute more for the start and the report
+    figures = gpu_check.budget(cmd.figures)[0]
+    assert [s.name for s in cmd.figures] == ["mnist-1gpu", "resnet18-precisions", "ddp-throughput"] + \
+        (["allreduce-busbw"] if gpus >= 2 else [])
+    assert [s.name for s in cmd.streams[0]] == ["suite"] and len(cmd.streams) >= 2
+    for stream in cmd.streams:
+        limits, typical = gpu_check.budget(stream)
+        assert 0 < figures + limits <= gpu_check.COMMAND_LIMIT_S, (figures, limits)
+        order = [steps.index(next(x for x in steps if x.name == s.name)) for s in stream]
+        assert order == sorted(order)
+    names = [s.name for s in cmd.steps]
+    assert sorted(names) == sorted(s.name for s in steps) and len(set(names)) == len(names)
+    assert all(s.typical < s.timeout for s in cmd.steps)
+    gpu_check.show_one(cmd, gpus, CORES)
     listed = capsys.readouterr().out
-    for name, part in parts.items():
-        assert re.search(rf"^{name}: {len(part)} step\(s\), time limits {gpu_check.budget(part)[0]:.0f} s",
+    for i, stream in enumerate(cmd.streams, 1):
+        assert re.search(rf"^stream {i}: {len(stream)} step\(s\), time limits {gpu_check.budget(stream)[0]:.0f} s",
                          listed, re.M), listed
-    assert re.search(r"^elastic-restart\s+make --no-print-directory elastic-restart .*\(limit 150 s\)", listed, re.M)
+    assert re.search(r"^  elastic-restart\s+make --no-print-directory elastic-restart .*\(limit 90 s\)", listed, re.M)
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_a_host_with_fewer_cores_runs_the_same_steps_in_parts(gpus):
+    """PART=: every step but the suite, in parts of at most COMMAND_LIMIT_S; the GPU tests instead of the suite,
+    split by file, every file with a GPU test in exactly one part."""
+    steps = gpu_check.plan(gpus, is_root=True, cores=4)
+    parts = gpu_check.parts(steps)
+    for name, part in parts.items():
+        assert 0 < gpu_check.budget(part)[0] <= gpu_check.COMMAND_LIMIT_S, name
+    in_parts = [s.name for p in parts.values() for s in p]
+    assert sorted(n for n in in_parts if not n.startswith("gpu-tests")) == sorted(s.name for s in steps
+                                                                                   if s.name != "suite")
+    files = [a for p in parts.values() for s in p if s.name.startswith("gpu-tests") for a in s.cmd
+             if a.startswith("tests/")]
+    marked = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
+                    if re.search(r"@pytest\.mark\.(cuda|multigpu)\b", p.read_text()))
+    assert sorted(files) == marked, "every test file with GPU tests, each in one part"
+    assert list(parts)[0] == "figures" and any(n.startswith("targets") for n in parts)
 
 
 def test_a_part_is_chosen_by_name_by_group_or_all():
     parts = gpu_check.parts(gpu_check.plan(8))
     assert gpu_check.select(parts, "targets-2") == ["targets-2"]
     assert gpu_check.select(parts, "tests") == ["tests-1", "tests-2"]
-    assert gpu_check.select(parts, "bench-1,tests-2,bench-1") == ["bench-1", "tests-2"]
+    assert gpu_check.select(parts, "figures,tests-2,figures") == ["figures", "tests-2"]
     assert gpu_check.select(parts, "all") == list(parts)
     with pytest.raises(course.UsageError, match="no such part here"):
         gpu_check.select(parts, "targets-99")
@@ -141,13 +168,13 @@ def test_the_output_patterns_it_reads_are_what_the_scripts_print():
                                    "03_ddp_torchrun/compare_checkpoints.py",
                                    ["bitwise identical: {equal}", "identical within {args.gpu_atol:g} (trained on a "
                                     "GPU): {equal}"]),
-               "pytest-1": ("7 passed, 4 skipped in 81.20s", None, []), "pytest-2": ("5 passed in 61.02s", None, [])}
+               "suite": ("=== 312 passed, 16 skipped in 81.20s ===", None, [])}
     steps = {s.name: s for s in gpu_check.plan(2)}
     checked = 0
     for name, step in steps.items():
         if not step.expect:
             continue
-        nproc = dict(a.split("=", 1) for a in step.cmd[3:] if "=" in a).get("NPROC", "2")
+        nproc = var(step, "NPROC") or "2"
         line, script, words = printed.get(name, (final.replace("world_size=2", f"world_size={nproc}"), None, []))
         assert re.search(step.expect, line), name
         broken = line
@@ -161,97 +188,164 @@ def test_the_output_patterns_it_reads_are_what_the_scripts_print():
         checked += 1
     assert checked >= 12
     assert re.search(steps["elastic-restart"].expect, "identical within 1e-05 (trained on a GPU): True, largest")
-    training = {"01_dataparallel/mnist_single.py", "01_dataparallel/mnist_dataparallel.py",
-                "02_ddp_spawn/mnist_spawn.py", "03_ddp_torchrun/mnist_torchrun.py", "04_multinode_tcp/mnist_tcp.py",
-                "06_amp_syncbn/cifar_resnet.py", "06_amp_syncbn/mnist_amp_syncbn.py"}
-    for script in training:
-        assert 'print(f"final: test_acc=' in (REPO / script).read_text() and "world_size={world_size}" in \
-            (REPO / script).read_text(), script
+    for script in ("01_dataparallel/mnist_single.py", "01_dataparallel/mnist_dataparallel.py",
+                   "02_ddp_spawn/mnist_spawn.py", "03_ddp_torchrun/mnist_torchrun.py", "04_multinode_tcp/mnist_tcp.py",
+                   "06_amp_syncbn/cifar_resnet.py", "06_amp_syncbn/mnist_amp_syncbn.py"):
+        text = (REPO / script).read_text()
+        assert 'print(f"final: test_acc=' in text and "world_size={world_size}" in text, script
 
 
-def test_results_go_to_runs_unless_recorded():
+def test_the_suite_is_read_test_by_test_also_when_it_is_stopped():
+    """pytest -v, under pytest-xdist or not: the counts and the failed tests' ids (which may hold spaces)."""
+    xdist = ("[gw1] [  6%] PASSED tests/test_a.py::test_x[good-None] \n"
+             "[gw0] [ 13%] FAILED tests/test_a.py::test_y[is not stated in a sentence] \n"
+             "[gw1] [ 20%] SKIPPED tests/test_b.py::test_z \n")
+    assert gpu_check.pytest_counts(xdist) == {"passed": 1, "failed": 1, "skipped": 1, "failed_tests": [
+        "tests/test_a.py::test_y[is not stated in a sentence]"]}
+    alone = "tests/test_a.py::test_x PASSED [ 50%]\ntests/test_a.py::test_y ERROR [100%]\n"
+    assert gpu_check.pytest_counts(alone) == {"passed": 1, "error": 1, "failed_tests": ["tests/test_a.py::test_y"]}
+
+
+def test_results_go_to_runs_unless_recorded_or_told():
     assert gpu_check.output_dir(record=False) == REPO / "runs" / "gpu_check"
     assert gpu_check.output_dir(record=True) == REPO / "bench" / "results"
-    for gpus in (1, 8):  # every step that writes files writes them where the results go
-        commands = [" ".join(s.cmd) for s in gpu_check.plan(gpus)]
+    assert gpu_check.output_dir(record=False, given="/tmp/x") == Path("/tmp/x")
+    for gpus in (1, 8):  # every step that writes files writes them into the scratch folder, read back, then removed
+        commands = [" ".join(s.cmd) for s in gpu_check.plan(gpus, scratch="SCRATCH")]
         assert not [c for c in commands if "bench/results" in c]
         writers = [c for c in commands if "BENCH_OUT=" in c or "--output-dir" in c]
-        assert len(writers) >= 8 and all("runs/gpu_check" in c for c in writers), writers
-    for record, flag in (("", False), ("RECORD=1", True)):
-        dry = subprocess.run(["make", "-n", "gpu-check", "PART=tests", *filter(None, [record])], cwd=REPO,
-                             capture_output=True, text=True, timeout=60).stdout
-        assert "bench/gpu_check.py --part tests" in dry and ("--record" in dry) == flag, dry
-    dry = subprocess.run(["make", "-n", "gpu-check"], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
-    assert "--part list" in dry, "without PART it lists the parts: nothing starts that could outrun the machine"
+        assert len(writers) >= (3 if gpus == 1 else 7) and all("SCRATCH" in c for c in writers), writers
+    for extra, flags in (([], []), (["RECORD=1"], ["--record"]), (["OUT_DIR=/tmp/o"], ["--output-dir", "/tmp/o"]),
+                         (["PART=targets-1"], ["--part", "targets-1"])):
+        dry = subprocess.run(["make", "-n", "gpu-check", *extra], cwd=REPO, capture_output=True, text=True,
+                             timeout=60).stdout.replace("\\\n", " ")
+        words = dry[dry.index("bench/gpu_check.py"):].split()[1:]
+        assert words == flags, (extra, dry)
 
 
-def test_gpu_check_figures_and_goals_come_from_the_runs(tmp_path):
+def test_gpu_check_figures_and_goals_come_from_the_runs():
     from gpu_check import figures, goals
 
-    (tmp_path / "amp_h100_2026-11-22.json").write_text(json.dumps({
-        "results": {f"resnet18/{p}": {"median": v} for p, v in (("fp32", 1000.0), ("tf32", 2500.0),
-                                                                 ("bf16", 4000.0), ("fp16", 4200.0))},
-        "ratios": {f"resnet18/{p}_vs_fp32": {"median": r} for p, r in (("tf32", 2.5), ("bf16", 4.0))}}))
-    (tmp_path / "throughput_nccl_h100_2026-11-22.json").write_text(json.dumps({
-        "ratios": {"ddp_ws1_overhead": {"median": 0.05}, "dataparallel_vs_plain": {"median": 0.97}}}))
-    rows = [{"step": "smoke", "passed": True, "final": {"dataset": "mnist", "epochs": "2",
-                                                        "test_acc": "0.9851", "seconds": "3.0"}},
-            {"step": "bench-allreduce", "passed": False, "skipped": "not run: needs 2 GPUs", "final": {}}]
-    fig = figures(rows, tmp_path, since=0, gpus=1)
+    results = {
+        "amp": {"results": {f"resnet18/{p}": {"median": v} for p, v in (("fp32", 1000.0), ("tf32", 2500.0),
+                                                                        ("bf16", 4000.0), ("fp16", 4200.0))},
+                "ratios": {f"resnet18/{p}_vs_fp32": {"median": r} for p, r in (("tf32", 2.5), ("bf16", 4.0))}},
+        "throughput": {"results": {"plain": {"median": 9000.0}, "ddp_ws1": {"median": 8600.0}},
+                       "ratios": {"ddp_ws1_overhead": {"median": 0.05}, "dataparallel_vs_plain": {"median": 0.97}}}}
+    rows = [{"step": "mnist-1gpu", "passed": True, "final": {"dataset": "mnist", "epochs": "2",
+                                                             "test_acc": "0.9851", "seconds": "3.0"}}]
+    fig = figures(rows, results, gpus=1)
     assert fig["mnist_one_gpu"] == {"dataset": "mnist", "epochs": 2, "test_acc": 0.9851, "seconds_per_epoch": 1.5}
     assert fig["resnet18_images_per_s"]["bf16"] == 4000.0 and fig["resnet18_vs_fp32"]["bf16"] == 4.0
     assert fig["ddp_ws1_overhead"] == 0.05 and fig["all_reduce_busbw_GBps"] == "not run: needs 2 GPUs"
-    assert "all_reduce_busbw_GBps" not in figures(rows[:1], tmp_path, since=0, gpus=1), "a part without the sweep"
+    assert fig["throughput_images_per_s"] == {"plain": 9000.0, "ddp_ws1": 8600.0}
+    assert "all_reduce_busbw_GBps" not in figures(rows, results, gpus=2), "2 GPUs whose sweep did not run"
+    sweep = {"allreduce_sweep": {"rows": [{"op": "all_reduce", "busbw_GBps": 150.0},
+                                          {"op": "all_reduce", "busbw_GBps": 310.5}, {"op": "broadcast",
+                                                                                      "busbw_GBps": 400.0}]}}
+    assert figures(rows, sweep, gpus=8)["all_reduce_busbw_GBps"] == 310.5
     assert goals(fig) == {"mnist_test_acc >= 0.98": True, "mnist_epoch_s < 2": True, "resnet18 bf16 >= 2x fp32": True}
     rows[0]["final"]["dataset"] = "mnist-standin"  # no MNIST on the machine: its figures are shown, not judged
-    standin = figures(rows, tmp_path, since=0, gpus=1)
+    standin = figures(rows, results, gpus=1)
     assert standin["mnist_one_gpu"]["dataset"] == "mnist-standin"
     assert goals(standin)["mnist_test_acc >= 0.98"] is None and goals(standin)["mnist_epoch_s < 2"] is None
     assert set(goals({}).values()) == {None}, "a goal that was not measured is not called met"
 
 
 def test_gpu_check_says_so_on_a_machine_without_gpus():
-    res = run([PYTHON, REPO / "bench/gpu_check.py", "--part", "all"], env={"CUDA_VISIBLE_DEVICES": ""}, expect_rc=2)
+    res = run([PYTHON, REPO / "bench/gpu_check.py"], env={"CUDA_VISIBLE_DEVICES": ""}, expect_rc=2)
     assert "gpu-check needs a CUDA GPU" in res.stderr and "--rehearse --gpus 1" in res.stderr
     assert "Traceback" not in res.stderr
 
 
 @pytest.mark.slow
-def test_the_rehearsal_runs_the_whole_plan_for_one_gpu_and_one_step_for_real(data_dir, tmp_path):
-    """Every step of every part for 1 GPU: make -n, pytest --collect-only, and ddp-torchrun for real on the CPU
-    (3 steps). One result file per part, with the machine; the real step's `final:` line parsed."""
+def test_the_rehearsal_runs_the_one_command_with_its_streams_side_by_side(data_dir, tmp_path):
+    """The one command for 1 GPU and 16 cores, on this CPU: every step dry (make -n, pytest --collect-only) but
+    ddp-torchrun, which trains for real (3 steps), and compile, which runs for real and past a limit of 4 s. The
+    streams run side by side; compile is stopped with every process it started (the harness finds none left); the
+    report is still written: one folder of 3 files, the JSON and the markdown with every step, and the log of the
+    step that failed; exit code 1."""
     out = tmp_path / "out"
     before = sorted(p.name for p in (REPO / "bench/results").iterdir())
-    venv = (REPO / ".venv/bin/python").resolve()
-    py = [] if Path(PYTHON).resolve() == venv else ["--py", PYTHON]  # make test PY=...: every make uses it too
-    res = run([PYTHON, REPO / "bench/gpu_check.py", "--rehearse", "--gpus", "1", "--part", "all", *py,
-               "--real", "ddp-torchrun", "--real-args", f"--max-steps 3 --dataset mnist-standin --data-dir {data_dir}",
-               "--output-dir", out], timeout=240)
-    parts = gpu_check.parts(gpu_check.plan(1, is_root=True))  # cut the same on any machine
-    where = f"rehearse1gpu_cpu{gpu_check.benchlib.usable_cores()}_{time.strftime('%Y-%m-%d')}"
-    records = {}
-    for name in parts:
-        path = out / f"gpu_check_{name}_{where}.json"
-        assert path.exists() and path.with_suffix(".md").exists(), (path, res.tail())
-        records[name] = json.loads(path.read_text())
-    import torch
-
-    for name, record in records.items():
-        m = record["machine"]
-        assert record["part"] == name and m["rehearsal"] == {"gpus": 1} and m["gpus"] == 0
-        assert (m["torch"], m["torch_cuda"], m["executable"]) == (torch.__version__, torch.version.cuda, PYTHON)
-        assert m["python"] == ".".join(map(str, sys.version_info[:3])) and "driver" in m and "gpu" in m
-        assert [r["step"] for r in record["steps"]] == [s.name for s in parts[name]]
-        for row in record["steps"]:
-            assert row["passed"] or row.get("skipped"), (name, row)
-    rows = {r["step"]: r for record in records.values() for r in record["steps"]}
+    res = run([PYTHON, REPO / "bench/gpu_check.py", "--rehearse", "--gpus", "1", "--cores", str(CORES),
+               "--py", PYTHON, "--real", "ddp-torchrun,compile", "--limit", "compile=4", "--real-args",
+               f"--max-steps 3 --dataset mnist-standin --data-dir {data_dir}", "--output-dir", out], timeout=240,
+              expect_rc=1)
+    name = f"gpu_check_rehearse1gpu{CORES}cores_cpu{gpu_check.benchlib.usable_cores()}_{time.strftime('%Y-%m-%d')}"
+    assert sorted(p.name for p in out.iterdir()) == [f"{name}.json", f"{name}.md", f"{name}_logs.tar.gz"], res.tail()
+    record = json.loads((out / f"{name}.json").read_text())
+    plan = gpu_check.one_command(gpu_check.plan(1, is_root=True, cores=CORES))
+    rows = {r["step"]: r for r in record["steps"]}
+    assert sorted(rows) == sorted(s.name for s in plan.steps), "every step of the plan ran or was skipped"
+    assert record["streams"] == len(plan.streams) and record["failed"] == ["compile"], record["failed"]
+    assert all(r["passed"] for n, r in rows.items() if n != "compile"), {n: r["why"] for n, r in rows.items()}
+    compile_ = rows["compile"]
+    assert re.fullmatch(r"ran past its limit of 4 s: stopped with the [1-9]\d* process\(es\) it had started",
+                        compile_["why"]), compile_
     real = rows["ddp-torchrun"]
     assert real["final"]["world_size"] == "2" and real["final"]["dataset"] == "mnist-standin", real
     assert "--max-steps 3" in real["command"] and "--device cuda" not in real["command"]
     assert rows["ddp-spawn"]["command"].startswith("make -n ") and rows["ddp-spawn"]["final"] == {}
-    assert "--collect-only" in rows["pytest-1"]["command"]
-    assert f"BENCH_OUT={out}" in rows["bench-amp"]["command"], "the benchmarks write where the results go"
+    assert "--collect-only" in rows["suite"]["command"] and "-n" not in rows["suite"]["command"].split()
+    assert record_problems(record) == []
+    m = record["machine"]
+    assert m["rehearsal"] == {"gpus": 1, "cores": CORES} and m["gpus"] == 0 and m["executable"] == PYTHON
+    import torch
+
+    assert (m["torch"], m["torch_cuda"]) == (torch.__version__, torch.version.cuda)
+    # side by side: the streams' steps overlap in time (the figures before them do not)
+    started = {n: r["started"] for n, r in rows.items()}
+    streams = [[s.name for s in st] for st in plan.streams]
+    assert max(started[st[0]] for st in streams) < min(rows[st[0]]["started"] + rows[st[0]]["seconds"]
+                                                       for st in streams), "every stream's first step started " \
+                                                                          "before any of them ended"
+    assert all(started[f.name] < min(started[st[0]] for st in streams) for f in plan.figures)
+    md = (out / f"{name}.md").read_text()
+    assert "FAILED: compile" in md and all(f"| {n} |" in md for n in rows)
+    with tarfile.open(out / f"{name}_logs.tar.gz") as tar:
+        assert tar.getnames() == [f"{name}_logs/compile.log"]
+        log = tar.extractfile(tar.getnames()[0]).read().decode()
+    assert log.startswith("$ make --no-print-directory compile") and compile_["why"] in log
     assert sorted(p.name for p in (REPO / "bench/results").iterdir()) == before, "nothing recorded"
+
+
+def record_problems(record: dict) -> list[str]:
+    """What is wrong with a gpu_check JSON: the machine named, every step with its verdict, the figures and goals."""
+    problems = []
+    machine = record.get("machine", {})
+    for key in ("gpu", "gpus", "driver", "torch", "torch_cuda", "executable", "python", "cores"):
+        if key not in machine:
+            problems.append(f"machine lacks {key}")
+    steps = record.get("steps", [])
+    if not steps:
+        problems.append("no steps")
+    for row in steps:
+        if not {"step", "passed", "why", "seconds", "timeout", "command", "final"} <= set(row):
+            problems.append(f"step row {row.get('step')} is incomplete")
+        elif not row["passed"] and not row.get("skipped") and not row["why"]:
+            problems.append(f"{row['step']} failed without saying why")
+    failed = sorted(r["step"] for r in steps if not r.get("passed") and not r.get("skipped"))
+    if sorted(record.get("failed", [])) != failed:
+        problems.append(f"failed lists {record.get('failed')}, the steps say {failed}")
+    if set(record.get("goals", {})) != set(gpu_check.goals({})):
+        problems.append("goals missing")
+    if not isinstance(record.get("figures"), dict) or not isinstance(record.get("benchmarks"), dict):
+        problems.append("figures or benchmarks missing")
+    return problems
+
+
+def test_every_recorded_gpu_check_is_well_formed():
+    """docs/gpu-check.md: a GPU run copied into bench/results is checked for its form (the checker itself is held to
+    a made-up record here, and to a real rehearsal's record in the test above)."""
+    for path in sorted((REPO / "bench/results").glob("gpu_check_*.json")):
+        assert record_problems(json.loads(path.read_text())) == [], path.name
+    good = {"machine": {k: "x" for k in ("gpu", "gpus", "driver", "torch", "torch_cuda", "executable", "python",
+                                         "cores")},
+            "steps": [{"step": "a", "passed": False, "why": "exit code 1", "seconds": 1, "timeout": 9, "command": "c",
+                       "final": {}}], "failed": ["a"], "goals": gpu_check.goals({}), "figures": {}, "benchmarks": {}}
+    assert record_problems(good) == []
+    assert record_problems({**good, "failed": []}) == ["failed lists [], the steps say ['a']"]
+    assert record_problems({**good, "steps": [{**good["steps"][0], "why": None}]})[0] == "a failed without saying why"
 
 
 SLEEPER = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
@@ -298,7 +392,7 @@ def test_a_step_past_its_limit_or_leaving_processes_behind_ends_all_it_started(p
                           timeout=3)
     tag = uuid.uuid4().hex
     start = time.time()
-    row = gpu_check.run_step(step, tmp_path / "logs", tag=tag, linger=2.0)
+    row = gpu_check.run_step(step, tag=tag, linger=2.0)
     pid, sid = map(int, wait_for(pidfile, 1).split())
     assert sid == pid, "the grandchild had a session of its own"
     assert not row["passed"] and time.time() - start < 20, row
@@ -306,5 +400,26 @@ def test_a_step_past_its_limit_or_leaving_processes_behind_ends_all_it_started(p
         assert row["why"].startswith("ran past its limit of 3 s: stopped with the 2 process(es)"), row
     else:
         assert row["why"] == "left 1 process(es) running after it ended (stopped)", row
-    assert Path(row["log"]).exists() and row["why"] in Path(row["log"]).read_text()
+    assert row["why"] in row["log"]
     assert not alive(pid) and tagged(tag) == []
+
+
+@pytest.mark.waits
+def test_stopping_gpu_check_stops_every_stream_and_still_writes_the_report(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM, which gpu-check turns into it) while two streams run: both steps are stopped with what
+    they started, the report says so, and gpu-check ends with 130."""
+    pidfiles = [tmp_path / f"grandchild{i}" for i in range(2)]
+    streams = [[gpu_check.Step(f"sleeper{i}", [PYTHON, "-c", SLEEPER.format(pidfile=str(p), parent=60)],
+                               timeout=120)] for i, p in enumerate(pidfiles)]
+    report = gpu_check.Report(tmp_path / "out", "gpu_check_test", "# test", {"torch": "", "torch_cuda": None,
+                              "driver": None, "python": "", "executable": "", "cores": 2, "date": ""}, 1,
+                              tmp_path / "scratch", [("Streams", ["sleeper0", "sleeper1"])], {})
+    timer = threading.Timer(1.0, lambda: [wait_for(p, 10) for p in pidfiles] and _thread.interrupt_main())
+    timer.start()
+    code = gpu_check.run_one_command(gpu_check.OneCommand([], streams), report, lambda s: s, None)
+    timer.join()
+    pids = [int(wait_for(p, 1).split()[0]) for p in pidfiles]
+    assert code == 130 and not any(alive(pid) for pid in pids), pids
+    record = json.loads((tmp_path / "out/gpu_check_test.json").read_text())
+    assert {r["step"] for r in record["steps"]} == {"sleeper0", "sleeper1", "(gpu-check)"}, record["steps"]
+    assert all(not r["passed"] for r in record["steps"])
