@@ -69,21 +69,32 @@ help: ## list the targets
 
 # ------------------------------------------------------------------ setup
 
-# CPU=1: the pinned pair's CPU-only build from PyTorch's own wheel index (the package index has no CPU-only
-# torchvision that works), for machines without an NVIDIA GPU; the rest comes from the package index as usual
-CPU ?=
-TORCH_INDEX ?= $(if $(CPU),https://download.pytorch.org/whl/cpu)
+# Which build of the pinned pair goes into .venv: where no NVIDIA GPU is visible (nvidia-smi lists none), PyTorch's
+# CPU-only build from its own wheel index (about 1 GB instead of about 6: no NVIDIA libraries; the package index has
+# no CPU-only torchvision that works), else the package index's CUDA build. CPU=1 or CPU=0 asks for one. Where the
+# CPU index cannot be reached, one line says so and the CUDA build (which runs on a CPU as well) is installed
+# instead. A failed install removes .venv: nothing is left half-installed.
+NVIDIA := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+CPU ?= $(if $(filter 0,$(NVIDIA)),1,0)
+CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP_INSTALL = $(PY) -m pip install --quiet --disable-pip-version-check
+PINS = $(shell grep -E '^torch(vision)?==' requirements.txt)
+REACHABLE = $(PYTHON) -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=15)'
 
 $(VENV_STAMP): requirements.txt requirements-dev.txt requirements-dev.lock pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: Python 3.10 or newer is needed, this is " + sys.version.split()[0])'
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "installing torch 2.14.1, torchvision 0.29.1 and the dev tools into $(VENV) (a few minutes, about 6 GB;" \
-	  "CPU=1: the CPU-only build, without NVIDIA's libraries) ..."
-	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --disable-pip-version-check --index-url $(TORCH_INDEX) \
-	  $(shell grep -E '^torch(vision)?==' requirements.txt))
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt -c requirements-dev.lock
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . 2>/dev/null \
-	  || $(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	@{ test -x $(PY) || $(PYTHON) -m venv $(VENV); } && \
+	  if [ "$(CPU)" = 1 ] && $(REACHABLE) $(CPU_INDEX)/torch/ >/dev/null 2>&1; then \
+	    echo "installing PyTorch's CPU-only build of $(PINS) (about 1 GB), then the dev tools, into $(VENV) ..."; \
+	    $(PIP_INSTALL) --index-url $(CPU_INDEX) $(PINS); \
+	  elif [ "$(CPU)" = 1 ]; then \
+	    echo "note: PyTorch's CPU-only index ($(CPU_INDEX)) cannot be reached from here, so the CUDA build comes from the package index instead (about 6 GB; it runs on the CPU too). For the 1 GB build, make that index reachable (https_proxy=...) and run: make distclean setup"; \
+	  else \
+	    echo "installing the CUDA build of $(PINS) (about 6 GB; CPU=1: the CPU-only build), then the dev tools, into $(VENV) ..."; \
+	  fi && \
+	  $(PIP_INSTALL) -r requirements-dev.txt -c requirements-dev.lock && \
+	  { $(PIP_INSTALL) --no-deps --no-build-isolation -e . 2>/dev/null || $(PIP_INSTALL) --no-deps -e .; } \
+	  || { rm -rf $(VENV); echo "error: the install into $(VENV) failed (its message is above); $(VENV) was removed, so nothing is left half-installed: run make again once that is fixed" >&2; exit 1; }
 	@touch $@
 	@echo "setup done: activate with 'source $(VENV)/bin/activate'"
 
@@ -323,9 +334,10 @@ bench-versions: $(STAMP) ## this version vs an older one (OLD=commit) on the CPU
 
 TORCH ?=
 RECORD ?=
-compat: ## TORCH=2.11.0: the course on another torch (a side .venv-torch2.11.0 from the index); RECORD=1 keeps it
+WITH ?=
+compat: ## TORCH=2.11.0: the whole suite on another torch (a side .venv-torch2.11.0); WITH=matplotlib; RECORD=1 keeps it
 	@test -n "$(TORCH)" || { echo "error: name the torch release: make compat TORCH=2.11.0" >&2; exit 2; }
-	$(PYTHON) tools/compat.py --torch $(TORCH) $(if $(RECORD),--record)
+	$(PYTHON) tools/compat.py --torch $(TORCH) $(if $(WITH),--with $(WITH)) $(if $(RECORD),--record)
 
 # One command of about 9 minutes on a GPU host with 8 cores or more (a borrowed GPU machine gives one command 10):
 # the figures on the idle GPU, then the suite and every CUDA step side by side (bench/gpu_check.py). Results go to

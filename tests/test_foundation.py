@@ -401,31 +401,84 @@ def test_the_torch_range_is_the_range_that_ran():
     assert "broken failed as it should" in gallery["2.11.0"][0] and "broken RAN" in gallery[pinned][0], gallery
 
 
-def test_make_reinstalls_when_the_requirements_change(tmp_path):
-    """In a copy of the course's Makefile and requirements beside a .venv installed after them (so that it holds
-    whatever interpreter runs the tests, .venv or not): nothing to install; after a change to requirements.txt
-    (-W: as if it had just been written), make installs again."""
+def make_copy(tmp_path: Path) -> Path:
+    """The course's Makefile and requirements in a folder of their own: make setup there touches nothing here."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     for name in ("Makefile", "requirements.txt", "requirements-dev.txt", "requirements-dev.lock", "pyproject.toml"):
         (tmp_path / name).write_bytes((REPO / name).read_bytes())
-    (tmp_path / ".venv/bin").mkdir(parents=True)
-    (tmp_path / ".venv/bin/python").symlink_to(PYTHON)
-    (tmp_path / ".venv/.installed").touch()
-    up_to_date = run(["make", "-n", "smoke"], cwd=tmp_path).stdout
+    return tmp_path
+
+
+def test_make_reinstalls_when_the_requirements_change(tmp_path):
+    """Beside a .venv installed after the requirements (so that it holds whatever interpreter runs the tests, .venv
+    or not): nothing to install; after a change to requirements.txt (-W: as if it had just been written), make
+    installs again."""
+    folder = make_copy(tmp_path)
+    (folder / ".venv/bin").mkdir(parents=True)
+    (folder / ".venv/bin/python").symlink_to(PYTHON)
+    (folder / ".venv/.installed").touch()
+    up_to_date = run(["make", "-n", "smoke"], cwd=folder).stdout
     assert "pip install" not in up_to_date and "mnist_single.py" in up_to_date, up_to_date
-    dry = run(["make", "-n", "-W", "requirements.txt", "smoke"], cwd=tmp_path).stdout
+    dry = run(["make", "-n", "-W", "requirements.txt", "smoke"], cwd=folder).stdout
     assert "pip install" in dry and "-r requirements-dev.txt" in dry
-    assert "--index-url" not in dry  # the default: the package index's CUDA build, as the course's machines reach it
 
 
-def test_make_setup_cpu_takes_the_cpu_only_build_of_the_pinned_pair_first():
-    """CPU=1 (a machine without an NVIDIA GPU): the pinned torch and torchvision come from PyTorch's CPU wheel index
-    before the rest, which then finds them installed (the lock's `torch==2.14.1` matches `2.14.1+cpu`)."""
-    lines = run(["make", "-n", "-W", "requirements.txt", "setup", "CPU=1"]).stdout.splitlines()
-    cpu = [i for i, ln in enumerate(lines) if "--index-url https://download.pytorch.org/whl/cpu" in ln]
-    rest = [i for i, ln in enumerate(lines) if "-r requirements-dev.txt" in ln]
-    pins = re.findall(r"^(torch(?:vision)?==\S+)", (REPO / "requirements.txt").read_text(), re.M)
-    assert len(cpu) == 1 and rest and cpu[0] < rest[0], lines
-    assert lines[cpu[0]].split()[-2:] == pins == ["torch==2.14.1", "torchvision==0.29.1"]
+# A stand-in for python3 (and for the .venv's python it creates): it writes down how it was called, makes a venv
+# folder, answers the reachability probe as STUB_INDEX says, and fails a pip install whose words hold STUB_PIP_FAILS.
+STUB_PYTHON = """#!/bin/bash
+echo "$*" >> "$STUB_LOG"
+case "$1 $2" in
+  "-m venv") mkdir -p "$3/bin" && cp "$0" "$3/bin/python" && exit 0 ;;
+  "-m pip") if [ -n "$STUB_PIP_FAILS" ] && [[ "$*" == *"$STUB_PIP_FAILS"* ]]; then
+              echo "ERROR: no matching distribution" >&2; exit 1; fi; exit 0 ;;
+esac
+if [[ "$2" == *urlopen* ]]; then [ "$STUB_INDEX" = up ]; exit $?; fi
+exit 0
+"""
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu torch==2.14.1 torchvision==0.29.1"
+
+
+@pytest.mark.parametrize("gpus, asked, index, fails, build", [
+    (0, None, "up", None, "cpu"),  # a laptop: the CPU-only build, by itself
+    (0, None, "down", None, "cuda-note"),  # ... whose CPU index cannot be reached: one line, then the CUDA build
+    (1, None, "up", None, "cuda"),  # a GPU machine: the CUDA build
+    (1, "CPU=1", "up", None, "cpu"),  # either can be asked for
+    (0, "CPU=0", "up", None, "cuda"),
+    (0, None, "up", "requirements-dev", "failed"),  # an install that fails leaves no .venv behind
+], ids=["laptop", "laptop-offline-index", "gpu", "gpu-asks-cpu", "laptop-asks-cuda", "failed"])
+def test_the_first_make_installs_the_build_that_fits_the_machine(tmp_path, gpus, asked, index, fails, build):
+    """README: on a machine without an NVIDIA GPU the first make installs the CPU-only torch (about 1 GB instead of
+    about 6); the CUDA build stays the default where nvidia-smi lists a GPU; CPU=1 / CPU=0 choose. Run for real
+    with a stand-in python3 and nvidia-smi, so that nothing is downloaded."""
+    folder = make_copy(tmp_path / "course")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n"
+                                                                for i in range(gpus)))
+    (bin_dir / "python3").write_text(STUB_PYTHON)
+    for exe in bin_dir.iterdir():
+        exe.chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_LOG": str(log), "STUB_INDEX": index,
+           "STUB_PIP_FAILS": fails, "CUDA_VISIBLE_DEVICES": None}
+    res = run(["make", "--no-print-directory", "setup", f"PYTHON={bin_dir / 'python3'}", *filter(None, [asked])],
+              cwd=folder, env=env, expect_rc=None, timeout=60)
+    pips = [line for line in log.read_text().splitlines() if line.startswith("-m pip install")]
+    if build == "failed":
+        assert res.returncode != 0 and not (folder / ".venv").exists(), res.tail()
+        errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+        assert errors == ["error: the install into .venv failed (its message is above); .venv was removed, so "
+                          "nothing is left half-installed: run make again once that is fixed"], res.stderr
+        return
+    assert res.returncode == 0 and (folder / ".venv/.installed").exists(), res.tail()
+    assert any("-r requirements-dev.txt -c requirements-dev.lock" in p for p in pips), pips
+    assert any(p.endswith(CPU_INDEX) for p in pips) == (build == "cpu"), pips
+    if build == "cpu":
+        assert pips[0].endswith(CPU_INDEX), "the CPU build first: the rest then finds torch installed"
+    notes = [line for line in res.stdout.splitlines() if line.startswith("note: ")]
+    assert len(notes) == (build == "cuda-note"), res.stdout
+    if notes:
+        assert "cannot be reached" in notes[0] and "make distclean setup" in notes[0], notes
 
 
 FIND_SPEC = r"""
