@@ -14,6 +14,8 @@ import socket
 import time
 from pathlib import Path
 
+from tools import standins
+from tools.standins import CIFAR_STANDIN_FOLDER, STANDIN_MANIFEST  # noqa: F401 - data.NAME for the tests
 from tools.util import UsageError, atomic_write_bytes, say
 
 try:
@@ -22,10 +24,6 @@ except ImportError:  # Windows: no flock; one machine per data folder there
     fcntl = None
 
 STANDIN_SUBDIR = "standin"  # the offline stand-ins live in DATA_DIR/standin (standins.py writes them)
-
-CIFAR_STANDIN_FOLDER = "cifar-10-standin-py"
-
-STANDIN_MANIFEST = "MANIFEST.json"  # each stand-in folder: its files and their sizes, written last
 
 REAL_FILES = {"mnist": [f"MNIST/raw/{split}-{kind}" for split in ("train", "t10k")
                          for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")],
@@ -90,8 +88,6 @@ def _prepare(dataset: str, data_dir, family: str, quiet: bool) -> str:
         damage = _standin_damage(family, data_dir)
         if damage:
             _check_writable(data_dir, f"the {dataset}")
-            from tools import standins  # the generator, only when something has to be written
-
             t0 = time.time()
             try:
                 (standins.write_mnist_standin if family == "mnist" else standins.write_cifar_standin)(

@@ -1,7 +1,7 @@
 """The offline stand-ins: generated, learnable, deterministic data sets in MNIST's and CIFAR-10's own file formats.
 
-No training script imports this file: common.prepare_data does, when a stand-in has to be written (the first
-run, or when a file of it is missing or damaged). common.load_dataset reads the files, as it reads real data;
+No training script imports this file: tools/data.py does, and writes a stand-in through it when one is needed (the
+first run, or when a file of it is missing or damaged). common.load_dataset reads the files, as it reads real data;
 torchvision's own MNIST and CIFAR10 classes read them too (a test compares the two).
 
 - MNIST stand-in: 24,000 + 4,000 handwriting-like digits, drawn from two 7x5 glyphs per digit with random
@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tools.data import CIFAR_STANDIN_FOLDER, STANDIN_MANIFEST
 from tools.util import atomic_write_bytes
+
+CIFAR_STANDIN_FOLDER = "cifar-10-standin-py"
+STANDIN_MANIFEST = "MANIFEST.json"  # each stand-in folder: its files and their sizes, written last
 
 STANDIN_SIZES = {"mnist": (24000, 4000), "cifar10": (10000, 2000)}  # (train, test) images
 
