@@ -27,7 +27,7 @@ def doctor(script, *args, tmp_path, expect_rc, through_make=False, bare=None):
     shutil.copy(SCRIPTS / script, folder)
     if through_make:
         # with an interpreter that has no course install, as on a cluster: make gives the doctor its modules
-        res = make("doctor", f"SCRIPT={folder / script}", f"ARGS={' '.join(args)}", f"PY={bare}",
+        res = make("doctor", f"SCRIPT={folder / script}", f"ARGS={' '.join(args)}", f"PY={bare}", "NPROC=2",
                    env=BARE_ENV, expect_rc=expect_rc, timeout=150)
     else:
         res = run([PYTHON, REPO / "tools/doctor.py", "--batches", "2", "--timeout", "90", folder / script, *args],

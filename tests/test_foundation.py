@@ -115,7 +115,8 @@ COPYABLE = {
     "02_ddp_spawn/mnist_spawn.py": ([], ["--nproc", "1"]),
     "03_ddp_torchrun/mnist_torchrun.py": ([], []),
     "04_multinode_tcp/mnist_tcp.py": ([], []),
-    "06_amp_syncbn/mnist_amp_syncbn.py": (["06_amp_syncbn/syncbn_by_hand.py"], ["--sync-bn"]),
+    # on the CPU also on a GPU machine: the all_reduce batch norm of syncbn_by_hand.py is the CPU's SyncBatchNorm
+    "06_amp_syncbn/mnist_amp_syncbn.py": (["06_amp_syncbn/syncbn_by_hand.py"], ["--sync-bn", "--device", "cpu"]),
 }
 
 
@@ -152,7 +153,8 @@ def test_each_copyable_script_trains_from_an_empty_folder_offline_without_the_co
     assert "sync-bn True" in res.stdout, res.tail()  # the step-6 run, with the all_reduce batch norm on a CPU
     # ... which needs the helper it was copied with: without it, the same command stops at the import
     (project / "syncbn_by_hand.py").unlink()
-    res = run([*torchrun, "1", copied, *short, "--sync-bn"], cwd=project, env=env, timeout=120, expect_rc=1)
+    res = run([*torchrun, "1", copied, *short, "--sync-bn", "--device", "cpu"], cwd=project, env=env, timeout=120,
+              expect_rc=1)
     assert "No module named 'syncbn_by_hand'" in res.stderr, res.tail()
 
 
@@ -664,6 +666,7 @@ def test_the_preflight_runs_a_checked_command_in_itself_or_execs_it(monkeypatch,
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(argparse.ArgumentParser, "error", lambda self, message: None)  # as the checks leave it
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # on a GPU machine the conftest touched CUDA
     script = str(tmp_path / "train.py")
     preflight.run_here([sys.executable, "-m", "torch.distributed.run", "--standalone", script, "--lr", "0.1"])
     assert calls.pop() == ("module", "torch.distributed.run", {"run_name": "__main__", "alter_sys": True},

@@ -135,8 +135,9 @@ def test_stopping_torchrun_with_sigterm_stops_its_workers(data_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1) to give "
-                    "this test a host name of its own")
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare")
+                    or subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0,
+                    reason="needs root allowed to unshare(1) a host name of this test's own")
 def test_single_node_targets_do_not_need_a_resolvable_host_name(data_dir):
     """A laptop whose host name is in no DNS and not in /etc/hosts: torchrun --standalone alone would wait in its
     rendezvous for minutes (past this test's outer bound); the make targets pass --local-addr 127.0.0.1, and the run

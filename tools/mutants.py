@@ -66,9 +66,11 @@ ONLY_FOR = {"root-not-sharded": {"07_beyond_ddp/mnist_fsdp2.py"}, "scaler-not-re
             "rank-for-local-rank": TORCHRUN}
 CHECKS_FOR = {"07_beyond_ddp/mnist_fsdp2.py": {"shards", "order", "ddp", "eval", "eval_sum", "writer", "ran"}}
 # each run: 2 short epochs on a small stand-in (ResNet-18 on a CPU: a few small batches). No --accum-steps for
-# cifar_resnet.py: the bare-model break puts in DataParallel, which has no no_sync()
-ARGS = {"mnist": ["--dataset", "mnist-standin", "--epochs", "2", "--max-steps", "3"],
-        "cifar": ["--dataset", "cifar10-standin", "--epochs", "2", "--max-steps", "1", "--batch-size", "2"]}
+# cifar_resnet.py: the bare-model break puts in DataParallel, which has no no_sync(). On the CPU also on a GPU
+# machine: the two-node runs give every rank local rank 0, and NCCL refuses two ranks on one GPU
+ARGS = {"mnist": ["--dataset", "mnist-standin", "--epochs", "2", "--max-steps", "3", "--device", "cpu"],
+        "cifar": ["--dataset", "cifar10-standin", "--epochs", "2", "--max-steps", "1", "--batch-size", "2",
+                  "--device", "cpu"]}
 
 MUTANTS = {  # name: (what it breaks, the original code, the mutated code, the check that must catch it)
     "sampler-rank-0": ("every rank takes rank 0's shard",
