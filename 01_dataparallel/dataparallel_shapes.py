@@ -9,10 +9,11 @@
 in two along dimension 0 (15 + 15, and 5 + 5 for the last), each half runs on its own GPU in its
 own thread, and the halves are glued back together on the output device.
 
-With --loss-inside the model computes its loss in forward (as the DataParallel and DDP notes do): every GPU
-returns one 0-dim loss, and DataParallel gathers them into a vector of one loss per GPU (warning that it
-gathered scalars). `loss.mean()` makes it one number again, but it weighs every GPU's piece equally: when the
-pieces differ in size (30 over 4 GPUs: 8, 8, 8, 6) that is not the loss of the whole batch.
+With --loss-inside the model computes its loss in forward, the case the DataParallel and DDP notes' `loss =
+loss.mean()` after DataParallel is for (their own loss is computed outside the model): every GPU returns one 0-dim
+loss, and DataParallel gathers them into a vector of one loss per GPU (warning that it gathered scalars).
+`loss.mean()` makes it one number again, but it weighs every GPU's piece equally: when the pieces differ in size
+(30 over 4 GPUs: 8, 8, 8, 6) that is not the loss of the whole batch.
 """
 
 import argparse

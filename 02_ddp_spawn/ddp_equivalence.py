@@ -1,7 +1,8 @@
 """Proof that DDP averages gradients: N ranks x b samples train exactly like 1 process x N*b samples.
 
-Every rank builds the same global batch, keeps its own slice of b samples and takes a few SGD
-steps under DDP. Rank 0 then repeats the training alone on the whole batch and compares weights.
+Every rank builds the same global batch (seed 1), keeps its own slice of b samples and takes a few SGD
+steps (lr 0.1) under DDP, from the same initial weights (seed 0). Each rank prints the first and last three of its
+weights; rank 0 then repeats the training alone on the whole batch and prints the largest difference.
 
     python 02_ddp_spawn/ddp_equivalence.py --nproc 2
     python 02_ddp_spawn/ddp_equivalence.py --nproc 3 --steps 5 --per-rank 32
@@ -65,6 +66,10 @@ def worker(rank, world_size, args, port):
         results = {}
         for bn in (False, True):
             ddp_weights = sgd(DDP(make_model(bn)), [(x[mine], y[mine])], args.steps, args.lr)
+            ends = " ".join(f"{w:.8f}" for w in ddp_weights[:3].tolist() + ddp_weights[-3:].tolist())
+            # every rank prints its own weights, in one write so that lines never mix: equal on every rank
+            print(f"rank {rank}: {'with BatchNorm' if bn else 'ToyModel'} weights, first and last 3: {ends}\n",
+                  end="", flush=True)
             if rank == 0:
                 whole = sgd(make_model(bn), [(x, y)], args.steps, args.lr)
                 halves = [(x[r * args.per_rank:(r + 1) * args.per_rank], y[r * args.per_rank:(r + 1) * args.per_rank])

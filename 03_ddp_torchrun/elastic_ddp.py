@@ -1,9 +1,9 @@
-"""The smallest complete torchrun + DDP program: a linear model learns y = 3x - 1 from the numbers 0 .. 9999.
+"""The smallest complete DDP program: a linear model learns y = 3x - 1 from the numbers 0 .. 9999.
 
     torchrun --standalone --nproc-per-node 2 03_ddp_torchrun/elastic_ddp.py
-    torchrun --nnodes 1 --nproc-per-node 2 --rdzv-id 100 --rdzv-backend c10d \\
-        --rdzv-endpoint 127.0.0.1:29400 03_ddp_torchrun/elastic_ddp.py
-    make ddp-minimal NPROC=2
+
+torchrun runs this file as __main__ in a fresh interpreter per process and pickles nothing, so the
+`if __name__ == "__main__":` guard below is good habit, not a necessity as it is with mp.spawn.
 """
 
 import argparse
@@ -18,16 +18,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-import common
 
-
-def train(args, device, rank):
+def train(epochs, device, rank):
     model = DDP(nn.Linear(1, 1).to(device), device_ids=[device.index] if device.type == "cuda" else None)
     dataset = TensorDataset(torch.arange(10_000) / 10_000)  # the numbers 0 .. 9999, scaled into [0, 1)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)  # this rank's share; rank and size from the group
     loader = DataLoader(dataset, batch_size=100, sampler=sampler)  # no shuffle=True: the sampler shuffles
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    for epoch in range(args.epochs):
+    for epoch in range(epochs):
         sampler.set_epoch(epoch)  # a new order every epoch, the same permutation on every rank
         for (x,) in loader:
             x = x.unsqueeze(1).to(device)
@@ -45,19 +43,17 @@ def main():
     parser = argparse.ArgumentParser(description="The smallest complete DDP program. torchrun starts it: "
                                      "torchrun --standalone --nproc-per-node 2 03_ddp_torchrun/elastic_ddp.py.")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait")
     args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])  # torchrun sets it, with RANK, WORLD_SIZE and LOCAL_WORLD_SIZE
-    device, backend = common.device_and_backend(args.device, args.backend, local_rank,
-                                                int(os.environ["LOCAL_WORLD_SIZE"]))
-    if device.type == "cuda":
+    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):  # a GPU for every process here
+        device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),  # env:// from torchrun
-                            device_id=device if backend == "nccl" else None)
+    else:  # the CPU, which Gloo serves
+        device, backend = torch.device("cpu"), "gloo"
+    # env:// from torchrun; a rank that waits a minute for another in a collective fails instead of hanging
+    dist.init_process_group(backend, timeout=timedelta(seconds=60), device_id=device if backend == "nccl" else None)
     try:
-        train(args, device, dist.get_rank())
+        train(args.epochs, device, dist.get_rank())
     finally:
         gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         dist.destroy_process_group()  # also after an error

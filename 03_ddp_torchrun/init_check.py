@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 03_ddp_torchrun/init_check.py
     make init-check NPROC=2
+    python -m torch.distributed.launch --nnodes 1 03_ddp_torchrun/init_check.py   # the blog's way, deprecated
     # two machines, the same command on each with its own --node-rank:
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29500 \\
         03_ddp_torchrun/init_check.py
@@ -26,6 +27,9 @@ def main():
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the other ranks")
+    # the deprecated launcher (python -m torch.distributed.launch, the blog's way) passes --local-rank=N; torchrun
+    # does not, and both set LOCAL_RANK, which is what this script reads
+    parser.add_argument("--local-rank", "--local_rank", type=int, help="passed by the deprecated launcher; unused")
     args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])  # torchrun sets it, with RANK, WORLD_SIZE and LOCAL_WORLD_SIZE
     procs_per_node = int(os.environ["LOCAL_WORLD_SIZE"])

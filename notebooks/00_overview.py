@@ -21,16 +21,16 @@
 # a laptop CPU (Gloo backend) and unchanged on GPUs (NCCL backend). Each notebook runs its section's scripts,
 # shows the lines of them that matter, and what they print.
 #
-# | step | folder | what it adds | make target |
+# | notebook | folder | what it adds | make target |
 # |---|---|---|---|
-# | 1 | `01_dataparallel` | the single-process baseline; `nn.DataParallel` as a side branch | `make smoke`, `make dataparallel` |
-# | 2 | `02_ddp_spawn` | `DistributedDataParallel`, one process per device, started by `mp.spawn` | `make ddp-spawn NPROC=2` |
-# | 3 | `03_ddp_torchrun` | the same started by `torchrun`, elastic restarts | `make ddp-torchrun NPROC=2` |
-# | 4 | `04_multinode_tcp` | `tcp://` and `file://` initialisation, several nodes, Slurm | `make multinode-tcp NNODES=2` |
-# | 5 | `05_collectives` | send/recv and the collectives by hand, exact distributed evaluation | `make collectives NPROC=4` |
-# | 6 | `06_amp_syncbn` | mixed precision (autocast, GradScaler) and SyncBatchNorm, CIFAR-10 ResNet-18 | `make amp-syncbn NPROC=2` |
-# | 7 | `07_beyond_ddp` | what comes after DDP: FSDP2, ZeRO, `torch.compile`, uneven inputs with `Join` | `make fsdp NPROC=2` |
-# | 8 | `bench` | the source notes' claims measured: DP vs DDP, DDP's cost, all-reduce bandwidth, AMP, buckets | `make bench` |
+# | 01 | `01_dataparallel` | the single-process baseline; `nn.DataParallel` as a side branch | `make smoke`, `make dataparallel` |
+# | 02 | `02_ddp_spawn` | `DistributedDataParallel`, one process per device, started by `mp.spawn` | `make ddp-spawn NPROC=2` |
+# | 03 | `03_ddp_torchrun` | the same started by `torchrun`, elastic restarts | `make ddp-torchrun NPROC=2` |
+# | 04 | `04_multinode_tcp` | `tcp://` and `file://` initialisation, several nodes, Slurm | `make multinode-tcp NNODES=2` |
+# | 05 | `05_collectives` | send/recv and the collectives by hand, exact distributed evaluation | `make collectives NPROC=4` |
+# | 06 | `06_amp_syncbn` | mixed precision (autocast, GradScaler) and SyncBatchNorm, CIFAR-10 ResNet-18 | `make amp-syncbn NPROC=2` |
+# | 07 | `07_beyond_ddp` | what comes after DDP: FSDP2, ZeRO, `torch.compile`, uneven inputs with `Join` | `make fsdp NPROC=2` |
+# | 08 | `bench` | the source notes' claims measured: DP vs DDP, DDP's cost, all-reduce bandwidth, AMP, buckets | `make bench` |
 #
 # In the scripts, every line about distribution carries a comment that starts with `# DDP:`; everything else is
 # the same as in the single-process baseline.

@@ -138,6 +138,9 @@ def test_a_rank_that_aborts_only_at_exit_gets_advice_and_one_that_raised_fails()
     finish = {c.name: c for c in doctor.extra_checks(ranks(), 1, summary, REPO / "no-trace")}
     assert finish["finish"].verdict == "advice" and "aborted (SIGABRT) after destroy_process_group()" in \
         finish["finish"].message
+    # the fix 02 teaches: returning from the function that built the model does not free it (a reference cycle)
+    assert "gc.collect() just before destroy_process_group()" in finish["finish"].message
+    assert "returns first" not in finish["finish"].message
     assert "timeout" not in finish  # init_process_group got a timeout
     failed = doctor.extra_checks(ranks({"ev": "error", "lines": ["ValueError: x"]}), 1, summary, REPO / "no-trace")
     assert doctor.failure(ranks({"ev": "error", "lines": ["ValueError: x"]}), 1, summary, REPO / "no-trace") == \

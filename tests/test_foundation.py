@@ -191,21 +191,46 @@ def test_chain_diffs_in_readmes_are_current():
     assert res.returncode == 0, res.stderr
 
 
-def test_the_front_door_is_short_and_its_ddp_lines_stand_in_the_headline_as_quoted():
-    """README.md is a door: at most about 150 lines, and its "DDP in one screen" is the headline's own lines (in
-    the order a run meets them: main's set-up first); every relative link of the READMEs and docs pages points at
-    something that exists."""
+def test_the_front_door_is_short_and_its_links_point_at_what_exists():
+    """README.md is a door: at most about 150 lines (its "DDP in one screen" is a whole program: test_03 runs it);
+    every relative link of the READMEs and docs pages points at something that exists."""
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 150
-    (snippet,) = re.findall(r"## DDP in one screen.*?```python\n(.*?)```", readme, re.S)
-    script = [line.strip() for line in (REPO / "03_ddp_torchrun/mnist_torchrun.py").read_text().splitlines()]
-    for line in snippet.splitlines():
-        assert script.count(line.strip()) == 1, f"not once in mnist_torchrun.py: {line.strip()}"
-    assert len(snippet.splitlines()) >= 12
     pages = [REPO / "README.md", REPO / "README.zh-CN.md", *(REPO / "docs").glob("*.md")]
     for page in pages:
         for link in re.findall(r"\]\((?!https?://|#)([^)\s#]+)", page.read_text()):
             assert (page.parent / link).exists(), f"{page.relative_to(REPO)}: {link}"
+
+
+def test_the_front_doors_map_is_the_chain_and_its_cpu_only_demos_are_the_gpu_checks():
+    """README.md's table names each section's chain script and the script it continues, as tools/chain_diffs.py
+    chains them (05 has none); the demos it says stay on the CPU by design are those bench/gpu_check.py runs on the
+    CPU even on a machine of 8 GPUs; and the path it proposes (this page, 02, 03) is about 30 minutes of reading:
+    at most 6,300 words, the generated diffs included (200 words a minute)."""
+    from tools import chain_diffs
+
+    readme = (REPO / "README.md").read_text()
+    rows = re.findall(r"^\| \[(0\d)_\w+\]\(\S+\) \| ([^|]+) \|", readme, re.M)
+    assert [folder for folder, _ in rows] == ["01", "02", "03", "04", "05", "06", "07"], rows
+    shown = set()
+    for folder, cell in rows:
+        for script, parent in re.findall(r"`(\w+\.py)`(?:, from (0\d)| from it)", cell):
+            parent = parent or folder  # "from it": the section's first script, the baseline
+            shown.add((parent, f"{folder}/{script}"))
+    chained = {(a.split("_")[0], b.split("_", 1)[0] + "/" + b.rsplit("/", 1)[1]) for a, b in chain_diffs.CHAIN}
+    assert shown == chained, (shown ^ chained)
+    assert not [step for step in chain_diffs.CHAIN if step[1].startswith("05_")]
+
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))  # gpu_check imports benchlib beside it
+    import gpu_check
+    by_design = {step.name for step in gpu_check.plan(8) if "by design" in (step.note or "")}
+    sentence = " ".join(readme.partition("on the CPU by design:")[2].partition("\n\n")[0].split())
+    assert by_design and set(re.findall(r"`make ([a-z-]+)`", sentence)) == by_design, (sentence, by_design)
+
+    words = sum(len((REPO / f).read_text().split()) for f in ("README.md", "02_ddp_spawn/README.md",
+                                                             "03_ddp_torchrun/README.md"))
+    assert words <= 6300 and "about 30 minutes" in " ".join(readme.split()), words
 
 
 def test_preparing_the_data_imports_nothing_that_imports_common_back():

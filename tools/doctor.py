@@ -191,8 +191,11 @@ def extra_checks(ranks: dict, code: int | None, output: str, trace: Path) -> lis
                                                            f"call it in a `finally` (section 02)"))
     elif aborted:
         checks.append(tracecheck.Check("finish", "advice", "a rank aborted (SIGABRT) after destroy_process_group(): "
-                                                           "a DDP model was still alive when the group went. Build "
-                                                           "it in a function that returns first (section 02)"))
+                                                           "a DDP model was still alive when the group went. Call "
+                                                           "gc.collect() just before destroy_process_group(): the "
+                                                           "first DDP model of a process lives in a reference cycle, "
+                                                           "also after the function that built it returned "
+                                                           "(section 02)"))
     else:
         checks.append(tracecheck.Check("finish", "failed", f"the run ended with exit code {code} (see below)"))
     inits = [e for ev in ranks.values() for e in ev if e["ev"] == "init"]
