@@ -67,7 +67,7 @@ def train(args, device, rank=0, world_size=1):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            train_sums[0] += loss.detach() * len(labels)  # on the device: no wait for the GPU here
+            train_sums[0] += loss.detach().to(device) * len(labels)  # DP: the loss is on --output-device
             train_sums[1] += len(labels)
             if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
                 print(f"step: epoch={epoch + 1} step={step + 1} loss={loss.item():.4f}")
