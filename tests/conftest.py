@@ -37,7 +37,8 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """What is alive once the tests are collected (torch, the test modules) stays alive to the end: the collector
-    stops walking it at every full collection (about 7 % of the in-process tests' CPU time)."""
+    stops walking it at every full collection: about 7 % of the in-process tests' CPU time (measured 2026-11-27;
+    with the mutation check's own gc.freeze, `make test` went from 525-534 s to 522-524 s on 2 cores)."""
     gc.freeze()
 
 

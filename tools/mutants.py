@@ -207,7 +207,8 @@ def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float
                    "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(r // per_node)}) for r in range(nproc)]
     pids = []
     # what this process holds (torch, torchvision: most of it) moves out of the collector's sight before the forks:
-    # a script's gc.collect() then walks its own objects, not ours, nor copies our pages by touching them
+    # a script's gc.collect() then walks its own objects, not ours, nor copies our pages by touching them (measured
+    # 2026-11-27: the whole check alone 45 s and 68 CPU-s before, 30 s and 41 CPU-s after, on 2 cores)
     gc.freeze()
     for r, (argv, env) in enumerate(ranks):
         log = trace_dir / f"log-{r}.txt"
