@@ -465,7 +465,7 @@ def rehearsed(step: Step, real: bool, real_args: str = "") -> Step:
     if not real:
         if step.cmd[0] == "make":
             return replace(step, cmd=["make", "-n", *step.cmd[1:]], timeout=min(step.timeout, 30), expect="")
-        cmd = [w for i, w in enumerate(step.cmd) if w != "-n" and (i == 0 or step.cmd[i - 1] != "-n")]
+        cmd = [w for i, w in enumerate(step.cmd) if w not in ("-n", "-v", "-q") and (i == 0 or step.cmd[i - 1] != "-n")]
         return replace(step, cmd=[*cmd, "--collect-only", "-q"], timeout=min(step.timeout, 120),
                        expect=r"[1-9]\d* tests? collected|^tests/\S+::", typical=min(step.typical, 30))
     if step.cmd[0] != "make":

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import common
+import harness
 from harness import PYTHON, REPO, run
 from tools import course
 
@@ -157,6 +158,27 @@ def test_every_make_step_exists_and_takes_its_variables(gpus):
         dry = subprocess.run(["make", "-n", *step.cmd[1:]], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert dry.returncode == 0, (step.name, dry.stderr)
         assert "No rule to make target" not in dry.stderr, step.name
+
+
+@pytest.mark.slow
+def test_every_pytest_selection_holds_tests():
+    """The suite's step and the GPU-test parts of a smaller host, as `pytest --collect-only` sees them here: none is
+    empty, and the parts hold exactly the tests marked cuda or multigpu."""
+    steps = gpu_check.plan(8, is_root=True, cores=CORES)
+    pytests = [s for s in steps if s.group == "tests"] + [s for p in gpu_check.parts(steps).values() for s in p
+                                                          if s.name.startswith("gpu-tests")]
+    assert [s.name for s in pytests] == ["suite", "gpu-tests-1", "gpu-tests-2"]
+    collected = {}
+    for step in pytests:
+        dry = gpu_check.rehearsed(step, real=False)
+        res = run([PYTHON, *dry.cmd[1:]], timeout=120)
+        collected[step.name] = [line for line in res.stdout.splitlines() if line.startswith("tests/")]
+        assert re.search(dry.expect, res.stdout, re.M) and collected[step.name], (step.name, res.tail())
+    marked = collected["gpu-tests-1"] + collected["gpu-tests-2"]
+    assert len(set(marked)) == len(marked) and set(marked) < set(collected["suite"])
+    gpu = {node for node, needs_gpu in harness.COLLECTED.items() if needs_gpu}
+    if gpu:  # this run collected the whole suite: its marked tests are exactly those of the parts
+        assert {n for n in gpu if not n.startswith("notebooks")} == set(marked)
 
 
 def test_the_output_patterns_it_reads_are_what_the_scripts_print():
