@@ -36,7 +36,8 @@ def test_all_reduce_batchnorm_equals_batchnorm_on_the_global_batch(nproc):
 @pytest.mark.slow
 def test_bf16_with_sync_bn_converges_like_fp32(data_dir, tmp_path):
     args = "ARGS=--max-steps 100 " + STANDIN.format(data_dir)  # 100 of the epoch's 188 steps per rank
-    bf16 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args, env=traced(tmp_path / "trace"), timeout=240)
+    bf16 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args + f" --checkpoint-dir {tmp_path / 'ck'}",
+                env=traced(tmp_path / "trace"), timeout=240)
     fp32 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args + " --amp off", timeout=240)
     device = common.device_and_backend(procs_per_node=2)[0]  # the scripts' own choice
     if device.type == "cpu":
@@ -44,12 +45,16 @@ def test_bf16_with_sync_bn_converges_like_fp32(data_dir, tmp_path):
     else:  # auto: bf16 where the GPU computes in it (Ampere and newer), fp16 with a GradScaler before
         assert bf16.final["amp"] == ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16")
     assert bf16.final["sync_bn"] == "True" and fp32.final["amp"] == "off"
-    check_trace(tmp_path / "trace", world_size=2, epochs=1, checks=("shards", "ddp", "buffers", "eval", "eval_sum"))
-    from tools import tracecheck
-
+    check_trace(tmp_path / "trace", world_size=2, epochs=1,
+                checks=("shards", "ddp", "buffers", "eval", "eval_sum", "writer"))
     synced = "SyncBatchNorm" if device.type == "cuda" else "AllReduceBatchNorm2d"
-    for rank, events in tracecheck.load(tmp_path / "trace").items():  # what the DDP wrap really got, per rank
+    ranks = tracecheck.load(tmp_path / "trace")
+    for rank, events in ranks.items():  # what the DDP wrap really got, per rank
         assert [e["norms"] for e in events if e["ev"] == "ddp"] == [[synced]], (rank, synced)
+    savers = {r for r, events in ranks.items() if any(e["ev"] == "save" for e in events)}
+    assert savers == {0}, f"the checkpoint is written by rank 0 alone, not by ranks {savers}"
+    state = torch.load(tmp_path / "ck" / "mnist_amp_syncbn.pt", weights_only=True)
+    assert state["epoch"] == 1 and {"model", "optimizer", "scaler"} <= set(state), sorted(state)
     assert bf16.final["test_samples"] == TEST_IMAGES
     assert fp32.final["test_acc"] > 0.94
     assert abs(bf16.final["test_acc"] - fp32.final["test_acc"]) < 0.01
@@ -132,6 +137,9 @@ def test_cifar_resnet_short_run_with_accumulation(tmp_path):
     # 2 optimizer steps of 2 micro-batches: on every rank, the first micro-batch of each step under no_sync()
     ranks = tracecheck.load(tmp_path / "trace")
     assert {rank: sum(e["ev"] == "no_sync" for e in events) for rank, events in ranks.items()} == {0: 2, 1: 2}
+    assert tracecheck.check_writer(ranks).verdict == "ok", tracecheck.check_writer(ranks)
+    savers = {r for r, events in ranks.items() if any(e["ev"] == "save" for e in events)}
+    assert savers == {0}, f"the checkpoint is written by rank 0 alone, not by ranks {savers}"
     state = torch.load(tmp_path / "ck" / "cifar_resnet.pt", weights_only=True)
     assert state["epoch"] == 1 and {"model", "optimizer", "scaler"} <= set(state), sorted(state)
     group = state["optimizer"]["param_groups"][0]  # SGD with momentum 0.9 and weight decay 5e-4, as the README says
