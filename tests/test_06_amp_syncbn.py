@@ -146,6 +146,72 @@ def test_cifar_resnet_short_run_with_accumulation(tmp_path):
     assert (group["momentum"], group["weight_decay"]) == (0.9, 5e-4)
 
 
+BLOG_SCHEDULE = """
+import sys, zlib, torch, torch.distributed as dist
+from datetime import timedelta
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+import common
+dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+rank = dist.get_rank()
+torch.manual_seed(0)
+train_set = TensorDataset(torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,)))
+test_loader = DataLoader(TensorDataset(torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))), batch_size=16)
+
+def evaluate(model):  # the blog's evaluate(): through the DDP model, under no_grad
+    model.eval()
+    with torch.no_grad():
+        for x, _ in test_loader:
+            model(x)
+
+def run(epochs, evaluate_at):
+    sampler = DistributedSampler(train_set)
+    model = DDP(common.ConvNet())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        if evaluate_at == "start" and epoch % 2 == 0 and rank == 0:
+            evaluate(model)
+        model.train()
+        for x, y in DataLoader(train_set, batch_size=16, sampler=sampler):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        if evaluate_at == "end" and epoch % 2 == 0 and rank == 0:
+            evaluate(model)
+    return model
+
+model = run(5, "start")  # evaluations at the start of epochs 0, 2, 4; the loop runs to its end
+digests = [None, None]
+crc = zlib.crc32(b"".join(p.detach().numpy().tobytes() for p in model.module.parameters()))
+dist.all_gather_object(digests, crc)
+if rank == 0:
+    print("start: finished, equal replicas:", digests[0] == digests[1], flush=True)
+del model
+run(1, "end")  # one epoch, then rank 0 evaluates while rank 1 leaves
+print(f"end: rank {rank} finished", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_blogs_rank_0_evaluation_at_the_start_of_every_10th_epoch_runs_to_the_end(tmp_path):
+    """docs/source-notes.md: the blog evaluates on rank 0 alone, through the DDP model, at the start of an epoch
+    (every 10th; every 2nd here). That forward's buffer broadcast meets the other ranks' first training forward:
+    the loop runs to its end with equal replicas. The same evaluation after the last epoch's training has no
+    partner: rank 0 fails once rank 1 has left."""
+    script = tmp_path / "blog_schedule.py"
+    script.write_text(BLOG_SCHEDULE)
+    res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", script], env={"PYTHONPATH": str(REPO)},
+              timeout=120, expect_rc=1)
+    assert "start: finished, equal replicas: True" in res.stdout, res.tail()
+    assert "end: rank 1 finished" in res.stdout and "end: rank 0 finished" not in res.stdout, res.tail()
+    assert re.search(r"\[rank0\]: RuntimeError: .*(Connection closed by peer|Timed out|pair closure)", res.stderr), \
+        res.tail()
+    assert "_broadcast_coalesced" in res.stderr, res.tail()  # in DDP's forward: the broadcast of rank 0's buffers
+
+
 def test_make_cifar_resnet_runs_one_epoch_of_25_steps_unless_epochs_is_given():
     recipe = re.search(r"^cifar-resnet:.*\n\t(.*)$", (REPO / "Makefile").read_text(), re.M)[1]
     assert "06_amp_syncbn/cifar_resnet.py $(if $(EPOCHS),,--epochs 1 --max-steps 25) $(DIST_ARGS)" in recipe, recipe
