@@ -181,16 +181,17 @@ elastic-restart: $(STAMP) check-nproc ## a worker crashes once, torchrun restart
 	@echo "--- 3/3 compare the final weights"
 	$(PY) 03_ddp_torchrun/compare_checkpoints.py $(ELASTIC)/straight/mnist_torchrun.pt $(ELASTIC)/recovered/mnist_torchrun.pt
 
-# Repeated runs, with and without the workaround each one proves still needed (see workarounds.py); the record
-# goes to BENCH_OUT as stress_<name>_<machine>_<date>.json. RUNS=N runs of each.
+# Repeated runs of a case that can fail at random, alternately with COURSE_WORKAROUNDS=on and off (bench/stress.py
+# says what the switch changes in each case); the record goes to BENCH_OUT as stress_<case>_<machine>_<date>.json
+# and .md. RUNS=N runs each way.
 RUNS ?= 10
-elastic-stress: $(STAMP) check-nproc ## the restart demo RUNS times with and RUNS times without the per-attempt store
+elastic-stress: $(STAMP) check-nproc ## the restart demo RUNS times with, RUNS without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 	$(PY) bench/stress.py elastic --runs $(RUNS) --nproc $(NPROC) --output-dir $(BENCH_OUT) $(ARGS)
 
-exit-stress: $(STAMP) ## a finished 3-rank job RUNS times, leaving with and without os._exit: how often it aborts
+exit-stress: $(STAMP) ## a finished 3-rank job 2 x RUNS times: how often it exits cleanly (no os._exit guard left)
 	$(PY) bench/stress.py exit --runs $(RUNS) --output-dir $(BENCH_OUT) $(ARGS)
 
-free-stress: $(STAMP) ## a finished 2-rank job RUNS times, its DDP model freed or not before destroy_process_group
+free-stress: $(STAMP) ## a finished 2-rank job RUNS times each way: its DDP model freed before destroy_process_group or not
 	$(PY) bench/stress.py free --runs $(RUNS) --output-dir $(BENCH_OUT) $(ARGS)
 
 launch-legacy: $(STAMP) check-nproc ## the deprecated python -m torch.distributed.launch (passes --local-rank)

@@ -1,9 +1,10 @@
-"""Workarounds for torch 2.14 behaviour that is not the lesson: each one named, why it exists, when it is needed,
-and what it costs. The course's scripts call them where the problem can occur, and nowhere else.
+"""Workarounds the benchmarks call: each one named, with what it fixes, when it is needed, and what it costs.
 
-Every one of them can be switched off with COURSE_WORKAROUNDS=off in the environment. The MNIST chain scripts need
-none of them on torch 2.14.1; `leave()` (an os._exit at the end of every worker, which also skipped atexit
-handlers) is gone since `make exit-stress` recorded 10 of 10 clean exits without it (bench/results/stress_exit_*).
+bench/throughput.py, bench/buckets.py and bench/comm_hooks.py call them where the problem can occur.
+COURSE_WORKAROUNDS=off in the environment switches every one of them off. No script in a numbered folder imports
+this module: where one needs the same fix (gc.collect() before destroy_process_group()), it makes the call
+itself, with a comment that says why. How often a finished job aborts without that collection is recorded by
+`make free-stress` (bench/results/stress_free_*).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def stop_with_launcher() -> None:
     """Ask Linux to send this process SIGTERM when its launcher dies (prctl PR_SET_PDEATHSIG).
 
     Fixes: a launcher killed with SIGKILL (torchrun, mp.spawn's parent, a launch script) cannot stop its
-    workers; they train on alone to the end, holding ports, GPUs and files. Needed: in every worker started by
-    a launcher. Costs: nothing; on systems other than Linux it does nothing. A worker whose launcher is
-    already gone stops at once.
+    workers; they train on alone to the end, holding ports, GPUs and files. Needed: in a worker whose launcher
+    can be killed so, as benchlib.run_bounded kills a benchmark that runs past its limit. Costs: nothing; on
+    systems other than Linux it does nothing. A worker whose launcher is already gone stops at once.
     """
     if not enabled() or not sys.platform.startswith("linux"):
         return

@@ -69,8 +69,11 @@ def main():
         elif rank == 1:
             req = dist.irecv(x, src=0)  # x is not valid until req.wait()
         if rank in (0, 1):
+            polled = req.is_completed()  # asks, never blocks; Gloo marks a send or receive done only inside wait()
             req.wait()
         show(rank, "isend/irecv: the same, without blocking until wait()", before, x)
+        if rank == 0:
+            print(f"    rank 0's request: is_completed() {polled} before wait(), {req.is_completed()} after")
 
         # 3. a ring: every rank sends to the next and receives from the previous, all at once
         send = torch.tensor([10.0 * rank], device=device)

@@ -1,14 +1,16 @@
-"""Repeated runs that show a workaround of workarounds.py is still needed: each run once with it, once without.
+"""Repeated runs of a case that can fail at random, each run once with COURSE_WORKAROUNDS=on and once with it off.
 
-    python bench/stress.py elastic --runs 10   # make elastic-stress: torchrun restarts a crashed group (Gloo);
-                                               #   without the per-attempt store the restart fails or hangs
-    python bench/stress.py exit --runs 10      # make exit-stress: a finished 3-rank Gloo job; without os._exit
-                                               #   some runs abort after their work is done
-    python bench/stress.py free --runs 20      # make free-stress: a DDP model alive at destroy_process_group;
-                                               #   freed first with gc.collect(), or left to the exit
+    python bench/stress.py elastic --runs 10   # make elastic-stress: torchrun restarts a crashed Gloo group
+                                               #   (make elastic-restart); off: without
+                                               #   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the restart can fail or hang
+    python bench/stress.py exit --runs 10      # make exit-stress: a finished 3-rank Gloo job (distributed_eval.py)
+                                               #   exits with code 0; the switch changes nothing here now (the
+                                               #   os._exit guard it turned off is gone): both sides count clean exits
+    python bench/stress.py free --runs 20      # make free-stress: a DDP model alive at destroy_process_group
+                                               #   (exit_toy.py); on: freed first with gc.collect(), off: left to exit
 
-With and without alternate, run by run, so that a noisy moment of the machine hits both alike. The record,
-stress_<name>_<machine>_<date>.{json,md}, says how many runs succeeded each way, and how each one ended.
+The two sides alternate run by run, so that a noisy moment of the machine hits both alike. The record,
+stress_<case>_<machine>_<date>.{json,md}, says how many runs passed each way, and how each failed one ended.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def free_run(workarounds_on: bool, nproc: int, tmp: Path, timeout: float, device
 
 
 CASES = {"elastic": (elastic_run, "the restarted group recovers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)", 180),
-         "exit": (exit_run, "the finished job exits with code 0 (workarounds.leave, since removed)", 120),
+         "exit": (exit_run, "the finished job exits with code 0 (no workaround left: both sides run alike)", 120),
          "free": (free_run, "the finished job exits with code 0 (gc.collect() before destroy_process_group)", 60)}
 
 

@@ -37,8 +37,8 @@ show("04_multinode_tcp/mnist_tcp.py", "global_rank")
 #
 # `launch_local.sh` starts the four processes with `--node-rank` and `--local-rank` and prints each command; each
 # process reports the rank it computed once it has joined. The lines arrive in any order; sorted by rank they must
-# match the arithmetic. The course's tracer (`run(..., trace=DIR)`) records what each rank trains on: the four
-# shards must cover the training set once, and all ranks must end with the same weights.
+# match the arithmetic. `run(..., trace=DIR)` also records, from outside the processes, what each rank trains on:
+# the four shards must cover the training set once, and all ranks must end with the same weights.
 
 # %% tags=["nbval-skip"]
 import re

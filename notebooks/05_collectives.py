@@ -86,7 +86,6 @@ show("05_collectives/ddp_from_scratch.py", "train")
 # single-process numbers.
 
 # %% tags=["nbval-skip"]
-# (the tests run this proof themselves: tests/test_05_collectives.py; nbval skips it to save time)
 out = run("make --no-print-directory ddp-eval NPROC=3 ARGS='--subset 10'")
 
 # %% tags=["nbval-skip", "check"] jupyter={"source_hidden": true}

@@ -16,9 +16,10 @@
 # %% [markdown]
 # # 06 · Mixed precision and SyncBatchNorm
 #
-# What `mnist_amp_syncbn.py` adds to the torchrun step, two short runs with 2 processes (full precision, and bf16
-# on a CPU or fp16 with a GradScaler on a GPU) with their training losses side by side, then what BatchNorm sees on
-# each rank versus what SyncBatchNorm computes. The [section README](../06_amp_syncbn/README.md) explains both.
+# What `mnist_amp_syncbn.py` adds to the torchrun step, two short runs with 2 processes (full precision, and
+# `--amp auto`: bf16 on a CPU and on recent GPUs, fp16 with a GradScaler on older ones) with their training losses
+# side by side, then what BatchNorm sees on each rank versus what SyncBatchNorm computes. The
+# [section README](../06_amp_syncbn/README.md) explains both.
 
 # %% [markdown]
 # ## The training step with autocast and a GradScaler
@@ -39,7 +40,7 @@ from nbhelpers import checks
 args = "--dataset mnist-standin --epochs 1 --max-steps 120 --log-every 10 --sync-bn"
 runs, traces = {}, {}
 for amp in ("off", "auto"):
-    traces[amp] = tempfile.mkdtemp()  # the tracer checks that both ranks end with the same weights and buffers
+    traces[amp] = tempfile.mkdtemp()  # recorded from outside: do both ranks end with the same weights and buffers?
     runs[amp] = run(f"make --no-print-directory amp-syncbn NPROC=2 ARGS='{args} --amp {amp}'", quiet=True,
                     trace=traces[amp])
     print(f"--amp {amp}:", runs[amp].strip().splitlines()[-1])

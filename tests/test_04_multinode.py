@@ -15,16 +15,50 @@ from tools.standins import STANDIN_SIZES
 SHORT = "--dataset mnist-standin --data-dir {} --epochs 1 --max-steps 20 --timeout 60"
 
 
+def first_epoch_checkpoint(path) -> dict:
+    """A checkpoint as the chain writes it after epoch 1 (model.module's weights, SGD with momentum, the epoch):
+    the states a resumed run must start from."""
+    import torch
+
+    common.seed_everything(1)
+    model = common.ConvNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    torch.nn.functional.cross_entropy(model(torch.randn(8, 1, 28, 28)), torch.arange(8)).backward()
+    optimizer.step()  # momentum buffers: an optimizer state that a fresh SGD would not have
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 1}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    return state
+
+
 @pytest.mark.slow
 @pytest.mark.ranks(4)
 def test_two_nodes_by_hand_over_tcp(data_dir, tmp_path):
-    res = make("multinode-tcp", "NNODES=2", "NPROC=2", "ARGS=" + SHORT.format(data_dir),
-               env=traced(tmp_path / "trace"), timeout=240)
-    check_trace(tmp_path / "trace", world_size=4, epochs=1, checks=("shards", "ddp", "buffers", "eval", "eval_sum"))
+    """2 nodes x 2 processes continue a checkpoint of epoch 1 for epoch 2: every rank loads it, and global rank 0
+    alone writes the new one (each node has a local rank 0: ranks 0 and 2)."""
+    import torch
+
+    from tools import tracecheck
+
+    ck = tmp_path / "ck"
+    first_epoch_checkpoint(ck / "mnist_tcp.pt")
+    args = SHORT.format(data_dir).replace("--epochs 1", "--epochs 2") + f" --checkpoint-dir {ck}"
+    res = make("multinode-tcp", "NNODES=2", "NPROC=2", "ARGS=" + args, env=traced(tmp_path / "trace"), timeout=240)
+    check_trace(tmp_path / "trace", world_size=4, epochs=1,
+                checks=("shards", "ddp", "buffers", "eval", "eval_sum", "writer"))
     for rank, local in ((0, 0), (1, 1), (2, 0), (3, 1)):
         assert f"rank {rank} (local rank {local}) of 4 joined via tcp://" in res.stdout
     assert "--node-rank 1 --local-rank 1" in res.stdout, "each process's command is printed"
-    assert res.final["world_size"] == 4 and res.final["test_samples"] == TEST_IMAGES
+    assert res.final["world_size"] == 4 and res.final["test_samples"] == TEST_IMAGES and res.final["epochs"] == 2
+    assert f"resumed from {ck / 'mnist_tcp.pt'} after epoch 1" in res.stdout, res.tail()
+    ranks = tracecheck.load(tmp_path / "trace")
+    assert {r for r, events in ranks.items() if any(e["ev"] == "load" for e in events)} == {0, 1, 2, 3}
+    assert tracecheck.check_resume(ranks).verdict == "ok", tracecheck.check_resume(ranks)  # SGD's momentum restored
+    savers = {r for r, events in ranks.items() if any(e["ev"] == "save" for e in events)}
+    assert savers == {0}, f"the checkpoint is written by global rank 0 alone, not by ranks {savers}"
+    state = torch.load(ck / "mnist_tcp.pt", weights_only=True)
+    assert state["epoch"] == 2
+    common.ConvNet().load_state_dict(state["model"])  # model.module's keys: no "module." prefix
 
 
 @pytest.mark.slow

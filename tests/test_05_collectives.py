@@ -152,6 +152,56 @@ def test_point_to_point_and_the_ring():
     assert len({s[0] for s in sent}) == 3, sent  # a different value on every rank
     assert [a for _, a in tables[2]] == [sent[(r - 1) % 3] for r in range(3)], tables[2]  # rank r gets rank r - 1's
     assert "result: ring correct" in out  # and the script's own check agrees
+    # rank 0's isend, asked without blocking before wait() and after it; Gloo marks it done only inside wait()
+    polled = re.search(r"^    rank 0's request: is_completed\(\) (True|False) before wait\(\), (True|False) after$",
+                       out, re.M)
+    assert polled and polled[2] == "True", out
+    if "backend gloo" in first_line(out):
+        assert polled[1] == "False", out
+
+
+def test_ucc_is_a_backend_for_cpu_and_cuda_tensors_that_the_installed_wheel_lacks():
+    """README, Backends: torch names `ucc` (CPU and CUDA tensors), but the pinned wheel is built without it, as
+    without MPI: a group asked for it fails at once."""
+    import torch.distributed as dist
+
+    assert dist.Backend.UCC == "ucc" and dist.Backend.backend_capability["ucc"] == ["cpu", "cuda"]
+    assert not dist.is_ucc_available() and not dist.is_mpi_available()
+    with pytest.raises(RuntimeError, match="Distributed package doesn't have UCC built in"):
+        dist.init_process_group("ucc", store=dist.HashStore(), rank=0, world_size=1)
+    assert not dist.is_initialized()
+
+
+def test_a_gloo_send_or_receive_is_completed_only_by_wait():
+    """README: with Gloo, is_completed() of an isend or irecv stays False until wait() has run, even with the data
+    already in the receive buffer. Two Gloo groups of one job (ranks 0 and 1) in two threads of this process."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    store, groups = dist.HashStore(), {}
+
+    def join(rank):  # both ranks must connect at once
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    sent, received = torch.tensor([100.0]), torch.zeros(1)
+    send, recv = groups[0].send([sent], 1, 0), groups[1].recv([received], 0, 0)
+    deadline = time.time() + 30
+    while received.item() != 100.0 and time.time() < deadline:
+        time.sleep(0.01)
+    assert received.item() == 100.0, "the data arrives without wait()"
+    time.sleep(0.5)  # time enough for a request that completes by itself to say so
+    assert not send.is_completed() and not recv.is_completed()
+    send.wait()
+    recv.wait()
+    assert send.is_completed() and recv.is_completed()
 
 
 @pytest.mark.slow

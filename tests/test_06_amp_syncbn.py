@@ -36,7 +36,8 @@ def test_all_reduce_batchnorm_equals_batchnorm_on_the_global_batch(nproc):
 @pytest.mark.slow
 def test_bf16_with_sync_bn_converges_like_fp32(data_dir, tmp_path):
     args = "ARGS=--max-steps 100 " + STANDIN.format(data_dir)  # 100 of the epoch's 188 steps per rank
-    bf16 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args, env=traced(tmp_path / "trace"), timeout=240)
+    bf16 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args + f" --checkpoint-dir {tmp_path / 'ck'}",
+                env=traced(tmp_path / "trace"), timeout=240)
     fp32 = make("amp-syncbn", "NPROC=2", "EPOCHS=1", args + " --amp off", timeout=240)
     device = common.device_and_backend(procs_per_node=2)[0]  # the scripts' own choice
     if device.type == "cpu":
@@ -44,12 +45,16 @@ def test_bf16_with_sync_bn_converges_like_fp32(data_dir, tmp_path):
     else:  # auto: bf16 where the GPU computes in it (Ampere and newer), fp16 with a GradScaler before
         assert bf16.final["amp"] == ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16")
     assert bf16.final["sync_bn"] == "True" and fp32.final["amp"] == "off"
-    check_trace(tmp_path / "trace", world_size=2, epochs=1, checks=("shards", "ddp", "buffers", "eval", "eval_sum"))
-    from tools import tracecheck
-
+    check_trace(tmp_path / "trace", world_size=2, epochs=1,
+                checks=("shards", "ddp", "buffers", "eval", "eval_sum", "writer"))
     synced = "SyncBatchNorm" if device.type == "cuda" else "AllReduceBatchNorm2d"
-    for rank, events in tracecheck.load(tmp_path / "trace").items():  # what the DDP wrap really got, per rank
+    ranks = tracecheck.load(tmp_path / "trace")
+    for rank, events in ranks.items():  # what the DDP wrap really got, per rank
         assert [e["norms"] for e in events if e["ev"] == "ddp"] == [[synced]], (rank, synced)
+    savers = {r for r, events in ranks.items() if any(e["ev"] == "save" for e in events)}
+    assert savers == {0}, f"the checkpoint is written by rank 0 alone, not by ranks {savers}"
+    state = torch.load(tmp_path / "ck" / "mnist_amp_syncbn.pt", weights_only=True)
+    assert state["epoch"] == 1 and {"model", "optimizer", "scaler"} <= set(state), sorted(state)
     assert bf16.final["test_samples"] == TEST_IMAGES
     assert fp32.final["test_acc"] > 0.94
     assert abs(bf16.final["test_acc"] - fp32.final["test_acc"]) < 0.01
@@ -132,10 +137,79 @@ def test_cifar_resnet_short_run_with_accumulation(tmp_path):
     # 2 optimizer steps of 2 micro-batches: on every rank, the first micro-batch of each step under no_sync()
     ranks = tracecheck.load(tmp_path / "trace")
     assert {rank: sum(e["ev"] == "no_sync" for e in events) for rank, events in ranks.items()} == {0: 2, 1: 2}
+    assert tracecheck.check_writer(ranks).verdict == "ok", tracecheck.check_writer(ranks)
+    savers = {r for r, events in ranks.items() if any(e["ev"] == "save" for e in events)}
+    assert savers == {0}, f"the checkpoint is written by rank 0 alone, not by ranks {savers}"
     state = torch.load(tmp_path / "ck" / "cifar_resnet.pt", weights_only=True)
     assert state["epoch"] == 1 and {"model", "optimizer", "scaler"} <= set(state), sorted(state)
     group = state["optimizer"]["param_groups"][0]  # SGD with momentum 0.9 and weight decay 5e-4, as the README says
     assert (group["momentum"], group["weight_decay"]) == (0.9, 5e-4)
+
+
+BLOG_SCHEDULE = """
+import sys, zlib, torch, torch.distributed as dist
+from datetime import timedelta
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+import common
+dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+rank = dist.get_rank()
+torch.manual_seed(0)
+train_set = TensorDataset(torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,)))
+test_loader = DataLoader(TensorDataset(torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))), batch_size=16)
+
+def evaluate(model):  # the blog's evaluate(): through the DDP model, under no_grad
+    model.eval()
+    with torch.no_grad():
+        for x, _ in test_loader:
+            model(x)
+
+def run(epochs, evaluate_at):
+    sampler = DistributedSampler(train_set)
+    model = DDP(common.ConvNet())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        if evaluate_at == "start" and epoch % 2 == 0 and rank == 0:
+            evaluate(model)
+        model.train()
+        for x, y in DataLoader(train_set, batch_size=16, sampler=sampler):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        if evaluate_at == "end" and epoch % 2 == 0 and rank == 0:
+            evaluate(model)
+    return model
+
+model = run(5, "start")  # evaluations at the start of epochs 0, 2, 4; the loop runs to its end
+digests = [None, None]
+crc = zlib.crc32(b"".join(p.detach().numpy().tobytes() for p in model.module.parameters()))
+dist.all_gather_object(digests, crc)
+if rank == 0:
+    print("start: finished, equal replicas:", digests[0] == digests[1], flush=True)
+del model
+run(1, "end")  # one epoch, then rank 0 evaluates while rank 1 leaves
+print(f"end: rank {rank} finished", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_blogs_rank_0_evaluation_at_the_start_of_every_10th_epoch_runs_to_the_end(tmp_path):
+    """docs/source-notes.md: the blog evaluates on rank 0 alone, through the DDP model, at the start of an epoch
+    (every 10th; every 2nd here). That forward's buffer broadcast meets the other ranks' first training forward:
+    the loop runs to its end with equal replicas. The same evaluation after the last epoch's training has no
+    partner: rank 0 fails once rank 1 has left."""
+    script = tmp_path / "blog_schedule.py"
+    script.write_text(BLOG_SCHEDULE)
+    res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", script], env={"PYTHONPATH": str(REPO)},
+              timeout=120, expect_rc=1)
+    assert "start: finished, equal replicas: True" in res.stdout, res.tail()
+    assert "end: rank 1 finished" in res.stdout and "end: rank 0 finished" not in res.stdout, res.tail()
+    assert re.search(r"\[rank0\]: RuntimeError: .*(Connection closed by peer|Timed out|pair closure)", res.stderr), \
+        res.tail()
+    assert "_broadcast_coalesced" in res.stderr, res.tail()  # in DDP's forward: the broadcast of rank 0's buffers
 
 
 def test_make_cifar_resnet_runs_one_epoch_of_25_steps_unless_epochs_is_given():

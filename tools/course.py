@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
 import common
-from common import CIFAR_DATASETS, MNIST_DATASETS, free_port  # noqa: F401 - re-exported for the demos
+from common import CIFAR_DATASETS, MNIST_DATASETS, free_port  # noqa: F401 - re-exported; no caller reads them so
 from tools.lines import parse_lines  # noqa: F401 - course.parse_lines, as the tests and tools call it
 from tools.util import UsageError, _atomic_write, atomic_write_bytes, say  # noqa: F401 - re-exported
 
@@ -99,7 +99,8 @@ def check_args(parser: argparse.ArgumentParser, args, *, rank: int = 0, world_si
     file:// --init-method), then choose its device and backend and return them.
 
     Any mistake ends the program with one line (parser.error) before anything starts: make's preflight
-    (tools/preflight.py) runs this once before a launch starts N processes. See choose_device for the choice.
+    (tools/preflight.py) runs this once before a launch starts N processes. common.device_and_backend makes the
+    choice.
     """
     data_dir = Path(args.data_dir)
     if data_dir.exists() and not data_dir.is_dir():
