@@ -66,7 +66,11 @@ def test_two_nodes_by_hand_over_tcp(data_dir, tmp_path):
 def test_two_simulated_nodes_get_a_gpu_each(data_dir):
     """Each simulated node sees only its own GPU (CUDA_VISIBLE_DEVICES), numbered 0 inside it: no duplicate GPU."""
     res = make("multinode-tcp", "NNODES=2", "NPROC=1", "ARGS=" + SHORT.format(data_dir), timeout=240)
-    assert "CUDA_VISIBLE_DEVICES=0 " in res.stdout and "CUDA_VISIBLE_DEVICES=1 " in res.stdout
+    sys.path.insert(0, str(REPO / "04_multinode_tcp"))
+    from gpus_per_node import visible_gpus  # the host's own ids: 0, 1, ... or those CUDA_VISIBLE_DEVICES names
+
+    first, second = visible_gpus()[:2]
+    assert f"CUDA_VISIBLE_DEVICES={first} " in res.stdout and f"CUDA_VISIBLE_DEVICES={second} " in res.stdout
     assert "this run: 1 process(es) per node on cuda with nccl" in res.stdout
     assert res.final["world_size"] == 2 and res.final["test_samples"] == TEST_IMAGES
 
