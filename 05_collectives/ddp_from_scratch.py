@@ -90,9 +90,7 @@ def main():
             print(f"result: max_diff={diff.item():.3e} allclose={torch.allclose(mine, theirs, atol=1e-6)}")
         dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        # workaround: a DDP model sits in reference cycles; freed only at exit, after its group, it can abort the
-        # process (02's README: "Let no DDP model outlive its process group")
-        gc.collect()
+        gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         dist.destroy_process_group()
 
 

@@ -217,9 +217,7 @@ def run_case(name, variant):
         if dist.is_initialized():
             dist.barrier()  # every rank finishes its work before any tears the group down
     finally:
-        # workaround: a DDP model sits in reference cycles; freed only at exit, after its group, it can abort the
-        # process (02's README: "Let no DDP model outlive its process group")
-        gc.collect()
+        gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         if dist.is_initialized():
             dist.destroy_process_group()
 
