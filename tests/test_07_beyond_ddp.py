@@ -1,10 +1,15 @@
 """Section 07: FSDP2, ZeRO, torch.compile with DDP, uneven inputs with Join.
 
-One launch proves most of it: a driver imports torch once and forks the ranks of each run (tools/mutants.run
-gives them torchrun's variables), so seven runs cost about what two torchrun jobs would (about 17 core-seconds).
+Two launches prove most of it: a driver imports torch once and forks the ranks of each run (tools/mutants.run
+gives them torchrun's variables), so a dozen runs cost about what three torchrun jobs would. The driver also
+watches every run with the course's tracer, and can make rank 0 die at one point of its checkpoint's save (a fault
+injected from outside: the script is unchanged).
 """
 
+import argparse
+import ast
 import json
+import math
 import re
 
 import pytest
@@ -14,23 +19,61 @@ import common
 from harness import PYTHON, REPO, exits, run
 
 STANDIN = ["--dataset", "mnist-standin", "--timeout", "30", "--epochs", "2", "--max-steps", "4"]
-# the driver: RUNS is a list of [script, nproc, args, folder] (a run) or ["copy", src, dst]
+# the driver: RUNS is a list of {"copy": [src, dst]} or a run: {"script", "nproc", "args", "folder"} and optionally
+# "rank_args" (one list per rank, added to its arguments), "crash" (where rank 0 dies) and "listing" (a folder whose
+# entries, and theirs, the result lists after the run)
 _DRIVER = r"""
-import json, shutil, sys, time
+import json, os, shutil, sys, time
 from pathlib import Path
-import torch._dynamo, torch.distributed.checkpoint, torch.distributed.fsdp  # once here, not in every fork
-from tools import mutants
+import torch, torch._dynamo, torch.distributed.checkpoint, torch.distributed.fsdp  # once here, not in every fork
+from torch.distributed.checkpoint import filesystem
+from tools import mutants, tracer
+
+CRASH = None  # the point of mnist_fsdp2.py's save where rank 0 dies, as killed, in this run
+
+
+def crash(point):
+    if CRASH == point and os.environ.get("RANK") == "0":
+        os._exit(9)
+
+
+def finish(self, *args, _finish=filesystem._FileSystemWriter.finish, **kwargs):
+    crash("shards")  # every rank's shards are written, .metadata is not
+    return _finish(self, *args, **kwargs)
+
+
+def save(obj, f, *args, _save=torch.save, **kwargs):
+    if str(f).endswith("model.pt"):
+        crash("weights")  # the shards and .metadata are written, the full weights are not
+    return _save(obj, f, *args, **kwargs)
+
+
+def replace(src, dst, *args, _replace=os.replace, **kwargs):
+    _replace(src, dst, *args, **kwargs)
+    crash("between" if str(dst).endswith(".old") else "after" if str(src).endswith(".tmp") else None)
+
+
+filesystem._FileSystemWriter.finish, torch.save, os.replace = finish, save, replace
+tracer.install(sys.argv[2])  # after the faults: it records what the script calls
 results = []
 for step in json.loads(sys.argv[1]):
-    if step[0] == "copy":
-        shutil.copytree(step[1], step[2])
+    if "copy" in step:
+        shutil.copytree(*step["copy"])
         continue
-    script, nproc, args, folder = step
-    start = time.time()
-    codes, output = mutants.run(mutants.REPO / script, "torchrun", args, Path(folder), timeout=120, nproc=nproc)
-    results.append({"codes": codes, "output": output, "seconds": time.time() - start})
+    CRASH, start, per_rank = step.get("crash"), time.time(), step.get("rank_args")
+    codes, output = mutants.run(mutants.REPO / step["script"], "torchrun", step["args"], Path(step["folder"]),
+                                timeout=120, nproc=step["nproc"], rank_args=per_rank and (lambda r: per_rank[r]))
+    folder = Path(step.get("listing") or "-")
+    listing = {p.name: sorted(q.name for q in p.iterdir()) if p.is_dir() else None
+               for p in sorted(folder.iterdir())} if folder.is_dir() else None
+    results.append({"codes": codes, "output": output, "seconds": time.time() - start, "listing": listing})
 print(json.dumps(results))
 """
+
+
+def drive(runs: list, tmp_path, timeout: float = 280) -> list[dict]:
+    res = run([PYTHON, "-c", _DRIVER, json.dumps(runs), str(tmp_path / "driver-trace")], timeout=timeout)
+    return json.loads(res.stdout)
 
 
 def load(path):
@@ -61,32 +104,44 @@ def chunks(folder) -> dict:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load here, in one process, no group
 def test_fsdp2_zero_and_compile_train_as_ddp_and_the_sharded_checkpoint_resumes_at_3(data_dir, tmp_path):
     """Same seed, same data, 2 ranks, 2 x 4 steps: FSDP2, ZeRO and compiled DDP (aot_eager: no C++ build in the test)
-    end with DDP's weights, to rounding. FSDP2's sharded checkpoint holds 1/N of every parameter per rank's file
+    end with DDP's weights, to rounding. FSDP2's sharded checkpoint holds 1/N of every parameter per rank's file,
     reads back exactly at another world size, and a run at 3 ranks continues its loss curve (in bf16: --bf16 on).
+    FSDP2's evaluation runs as many batches on every rank where a fixed batch size would not.
     Uneven inputs: without Join the job ends by its 2 s timeout, naming the ranks; with Join it finishes."""
-    data = ["--data-dir", str(data_dir)]
+    from tools import data, standins, tracecheck
+
+    odd = tmp_path / "odd-data"  # 6,001 test images: parts of 3,001 and 3,000 at 2 ranks, 2,001 and 2,000 at 3
+    standins.write_mnist_standin(odd / data.STANDIN_SUBDIR, sizes=(1200, 6001))
+    args = ["--data-dir", str(data_dir)]
     ck = tmp_path / "ck"
 
     def step(script, name, *extra, nproc=2):
-        return [script, nproc, [*STANDIN, *data, "--checkpoint-dir", str(ck / name), *extra], str(tmp_path / name)]
+        return {"script": script, "nproc": nproc, "args": [*STANDIN, *args, "--checkpoint-dir", str(ck / name), *extra],
+                "folder": str(tmp_path / name), "listing": str(ck / name)}
+
+    def odd_run(nproc):
+        return {"script": "07_beyond_ddp/mnist_fsdp2.py", "nproc": nproc, "folder": str(tmp_path / f"odd{nproc}"),
+                "args": [*STANDIN, "--data-dir", str(odd), "--epochs", "1", "--max-steps", "1"]}
 
     runs = [step("03_ddp_torchrun/mnist_torchrun.py", "ddp"),
             step("07_beyond_ddp/mnist_fsdp2.py", "fsdp"),
             step("07_beyond_ddp/mnist_zero_compile.py", "zero", "--zero"),
             step("07_beyond_ddp/mnist_zero_compile.py", "compile", "--compile", "aot_eager"),
-            ["copy", str(ck / "fsdp"), str(ck / "fsdp3")],
-            ["copy", str(ck / "fsdp" / "mnist_fsdp2"), str(ck / "fsdp3-saved")],
+            {"copy": [str(ck / "fsdp"), str(ck / "fsdp3")]},
+            {"copy": [str(ck / "fsdp" / "mnist_fsdp2"), str(ck / "fsdp3-saved")]},
             step("07_beyond_ddp/mnist_fsdp2.py", "fsdp3", "--epochs", "3", "--bf16", "on", nproc=3),
-            ["07_beyond_ddp/uneven_join.py", 2, ["--timeout", "2"], str(tmp_path / "uneven")],
-            ["07_beyond_ddp/uneven_join.py", 2, ["--timeout", "2", "--join"], str(tmp_path / "join")]]
-    res = run([PYTHON, "-c", _DRIVER, json.dumps(runs)], timeout=280)
-    ddp, fsdp, zero, compiled, fsdp3, uneven, join = json.loads(res.stdout)
+            {"script": "07_beyond_ddp/uneven_join.py", "nproc": 2, "args": ["--timeout", "2"],
+             "folder": str(tmp_path / "uneven")},
+            {"script": "07_beyond_ddp/uneven_join.py", "nproc": 2, "args": ["--timeout", "2", "--join"],
+             "folder": str(tmp_path / "join")},
+            odd_run(2), odd_run(3)]
+    ddp, fsdp, zero, compiled, fsdp3, uneven, join, odd2, odd3 = drive(runs, tmp_path)
     for name, r in (("ddp", ddp), ("fsdp", fsdp), ("zero", zero), ("compile", compiled), ("fsdp3", fsdp3),
-                    ("join", join)):
+                    ("join", join), ("odd2", odd2), ("odd3", odd3)):
         assert r["codes"] == [0] * len(r["codes"]), f"{name}: {r['codes']}\n{r['output'][-3000:]}"
 
     reference = load(ck / "ddp" / "mnist_torchrun.pt")
-    full = load(ck / "fsdp" / "mnist_fsdp2_model.pt")
+    full = load(ck / "fsdp" / "mnist_fsdp2" / "model.pt")
     common.ConvNet().load_state_dict(full, strict=True)  # the gathered checkpoint is a plain ConvNet's state_dict
     assert_close(full, reference["model"], "FSDP2 vs DDP")
     zero_state = load(ck / "zero" / "mnist_zero_compile.pt")
@@ -97,12 +152,12 @@ def test_fsdp2_zero_and_compile_train_as_ddp_and_the_sharded_checkpoint_resumes_
     assert_close(load(ck / "compile" / "mnist_zero_compile.pt")["model"], reference["model"], "compiled vs eager")
     took = {int(n): float(s) for n, s in re.findall(r"^compile: step ([12]) took (\S+) s$", compiled["output"], re.M)}
     assert set(took) == {1, 2}, compiled["output"][-2000:]  # both times are printed (no test judges a speed)
-    # the lines of the README's sample of `make fsdp NPROC=2` on a CPU, offline (the tests' stand-in is smaller)
+    # what `make fsdp NPROC=2` prints on a CPU, as the README's sample shows it
     assert re.search(r"^2 processes, 2 on this node, on (cpu with gloo|cuda with nccl)\nepoch 1/2: train_loss=\S+ "
                      r"test_loss=\S+ test_acc=\S+\nepoch 2/2: .*\nfinal: test_acc=\S+ test_samples=\d+ "
                      r"world_size=2 epochs=2 seconds=\S+ dataset=mnist-standin$", fsdp["output"], re.M), fsdp["output"]
-    # the sharded folder was written as mnist_fsdp2.tmp/ and swapped in: nothing else is left beside the full weights
-    assert sorted(p.name for p in (ck / "fsdp").iterdir()) == ["mnist_fsdp2", "mnist_fsdp2_model.pt"]
+    # one folder after the run: the shards, .metadata and the full weights of the same epoch
+    assert fsdp["listing"] == {"mnist_fsdp2": [".metadata", "__0_0.distcp", "__1_0.distcp", "model.pt"]}, fsdp
 
     # 1/N of every parameter per rank: rank r wrote rows [r * ceil(n/N), ...) of dimension 0 into __r_0.distcp
     for folder, n in ((ck / "fsdp" / "mnist_fsdp2", 2), (ck / "fsdp3" / "mnist_fsdp2", 3)):
@@ -124,10 +179,115 @@ def test_fsdp2_zero_and_compile_train_as_ddp_and_the_sharded_checkpoint_resumes_
     # the curve continues: epoch 3 (3 ranks) goes on below epoch 2; a new start would be back at epoch 1's level
     assert len(losses) == 3 and losses[2] < losses[1] < losses[0], losses
 
+    # the evaluation: parts that differ by one image, where a batch size of 1000 gives the ranks different counts
+    for r, n in ((odd2, 2), (odd3, 3)):
+        assert re.search(rf"^final: .* test_samples=6001 world_size={n} ", r["output"], re.M), r["output"][-2000:]
+        passes = {rank: [e for e in events if e["ev"] == "loader" and not e["train"]]
+                  for rank, events in tracecheck.load(tmp_path / f"odd{n}").items()}
+        assert sorted(passes) == list(range(n)) and all(len(p) == 1 for p in passes.values()), passes
+        sizes = [len(p[0]["indices"]) for _, p in sorted(passes.items())]
+        assert max(sizes) - min(sizes) == 1 and len({math.ceil(size / 1000) for size in sizes}) == 2, sizes
+        assert len({p[0]["batches"] for p in passes.values()}) == 1, {k: p[0]["batches"] for k, p in passes.items()}
+
     assert uneven["codes"] != [0, 0] and "Ranks 1 failed to pass monitoredBarrier in 2000 ms" in uneven["output"], \
         uneven["output"][-3000:]
     assert uneven["seconds"] < 60, "the broken variant ends by its 2 s timeout, not the harness's"
     assert "final: samples=72 world_size=2 join=True" in join["output"]  # 4 + 5 batches of 8
+
+
+POINTS = {"shards": 1, "weights": 1, "between": 2, "after": 2}  # where rank 0 dies: the epoch a resume continues
+PATCHWORK = """
+import os, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import common
+
+dist.init_process_group("gloo")
+torch.manual_seed(dist.get_rank())  # a seed per rank, each rank builds its own model
+model = common.ConvNet()
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+for block in (model.layer1, model.layer2):
+    fully_shard(block, mesh=mesh)
+fully_shard(model, mesh=mesh)
+full = {name: p.full_tensor() for name, p in model.named_parameters()}
+if dist.get_rank() == 0:
+    torch.save(full, sys.argv[1])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load here, in one process, no group
+def test_fsdp2_starts_from_rank_0s_weights_and_a_save_killed_anywhere_resumes_from_the_last_whole_epoch(
+        data_dir, tmp_path):
+    """Per-rank seeds: fully_shard of each rank's own model is a patchwork of their inits; mnist_fsdp2.py starts
+    from rank 0's weights whatever the seeds (--lr 0: the weights it saves are the ones it started from).
+    Rank 0 killed at each point of the save of epoch 2: before .metadata, before the full weights, between the two
+    renames, before the old folder is removed. A new run continues from the last epoch saved whole, tidies up, and
+    ends with the weights of a run never killed; the sharded and the full weights in the folder are of one epoch."""
+    import torch.distributed.checkpoint as dcp
+
+    ck = tmp_path / "ck"
+    fsdp2 = "07_beyond_ddp/mnist_fsdp2.py"
+
+    def step(name, folder, *extra, **more):
+        return {"script": fsdp2, "nproc": 2, "folder": str(tmp_path / "runs" / name), "listing": str(ck / folder),
+                "args": [*STANDIN, "--data-dir", str(data_dir), "--checkpoint-dir", str(ck / folder), *extra], **more}
+
+    (tmp_path / "patchwork.py").write_text(PATCHWORK)
+    runs = [{"script": str(tmp_path / "patchwork.py"), "nproc": 2, "args": [str(tmp_path / "patchwork.pt")],
+             "folder": str(tmp_path / "runs" / "patchwork")},
+            step("seeds", "seeds", "--lr", "0", "--epochs", "1", "--max-steps", "1",
+                 rank_args=[["--seed", "0"], ["--seed", "1"]]),
+            step("base", "base", "--epochs", "1"),
+            step("straight", "straight")]
+    for point in POINTS:
+        runs += [{"copy": [str(ck / "base"), str(ck / point)]},
+                 step(f"{point}-killed", point, "--timeout", "10", crash=point),
+                 step(f"{point}-resumed", point)]
+    patchwork, seeds, base, straight, *rest = drive(runs, tmp_path)
+
+    assert patchwork["codes"] == [0, 0], patchwork["output"][-3000:]
+    full = load(tmp_path / "patchwork.pt")
+    inits = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        inits.append(dict(common.ConvNet().named_parameters()))
+    for name, value in full.items():  # rank r's rows come from rank r's own init: neither rank's model
+        half = -(-value.shape[0] // 2)
+        assert torch.equal(value[:half], inits[0][name][:half]) and torch.equal(value[half:], inits[1][name][half:])
+        if not torch.equal(inits[0][name], inits[1][name]):  # the random ones (BatchNorm starts at 1 and 0)
+            assert not torch.equal(value, inits[0][name]) and not torch.equal(value, inits[1][name]), name
+    assert any(not torch.equal(a, inits[1][name]) for name, a in inits[0].items())
+    assert seeds["codes"] == [0, 0], seeds["output"][-3000:]
+    started = load(ck / "seeds" / "mnist_fsdp2" / "model.pt")
+    for name, value in inits[0].items():  # the course's way: rank 0's init, whole
+        assert torch.equal(started[name], value), name
+
+    assert base["codes"] == [0, 0] and straight["codes"] == [0, 0], (base["output"] + straight["output"])[-3000:]
+    reference = load(ck / "straight" / "mnist_fsdp2" / "model.pt")
+    killed_left = {"shards": {"mnist_fsdp2", "mnist_fsdp2.tmp"}, "weights": {"mnist_fsdp2", "mnist_fsdp2.tmp"},
+                   "between": {"mnist_fsdp2.old", "mnist_fsdp2.tmp"}, "after": {"mnist_fsdp2", "mnist_fsdp2.old"}}
+    for (point, epoch), killed, resumed in zip(POINTS.items(), rest[0::2], rest[1::2], strict=True):
+        assert killed["codes"][0] == 9 and killed["codes"][1] != 0, (point, killed["codes"], killed["output"][-2000:])
+        assert set(killed["listing"]) == killed_left[point], (point, killed["listing"])
+        if point == "shards":
+            assert ".metadata" not in killed["listing"]["mnist_fsdp2.tmp"], killed["listing"]
+        if point == "weights":
+            assert ".metadata" in killed["listing"]["mnist_fsdp2.tmp"], killed["listing"]
+            assert "model.pt" not in killed["listing"]["mnist_fsdp2.tmp"], killed["listing"]
+        assert resumed["codes"] == [0, 0], (point, resumed["output"][-3000:])
+        assert f"after epoch {epoch}\n" in resumed["output"], (point, resumed["output"][-2000:])
+        assert list(resumed["listing"]) == ["mnist_fsdp2"], (point, resumed["listing"])
+        folder = ck / point / "mnist_fsdp2"
+        weights = load(folder / "model.pt")
+        sharded = {"model": {key: torch.empty_like(value) for key, value in weights.items()}, "epoch": 0}
+        dcp.load(sharded, checkpoint_id=str(folder))
+        assert sharded["epoch"] == 2, (point, sharded["epoch"])
+        for key, value in weights.items():
+            assert torch.equal(sharded["model"][key], value), (point, key)  # one epoch in the folder
+            assert torch.equal(value, reference[key]), (point, key)  # as if never killed
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in this one process, no group
@@ -176,6 +336,24 @@ def test_a_bf16_batchnorm_refuses_its_float32_running_statistics():
         norm.train(train)
         with pytest.raises(RuntimeError, match="expected scalar type"):
             norm(torch.randn(2, 4, 3, 3, dtype=torch.bfloat16))
+
+
+def test_bf16_auto_is_off_on_a_gpu_that_only_emulates_it(monkeypatch):
+    """mnist_fsdp2.py's own `bf16 = ...` line, evaluated with the CUDA query mocked: a GPU that computes in bf16
+    (A100, H100) gets it; one that only emulates it (V100, T4: torch.cuda.is_bf16_supported() says True unless
+    including_emulation=False) does not; the CPU does only with --bf16 on."""
+    source = (REPO / "07_beyond_ddp/mnist_fsdp2.py").read_text()
+    line = next(node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Assign)
+                and [getattr(t, "id", None) for t in node.targets] == ["bf16"])
+    decide = compile(ast.Expression(line.value), "mnist_fsdp2.py", "eval")
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for native in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                            lambda including_emulation=True, native=native: native or including_emulation)
+        for flag, device, expected in (("auto", cuda, native), ("auto", cpu, False), ("on", cpu, True),
+                                       ("off", cuda, False)):
+            got = eval(decide, {"torch": torch, "args": argparse.Namespace(bf16=flag), "device": device})
+            assert got is expected, (native, flag, device)
 
 
 def test_uneven_join_waits_5_seconds_by_default():
