@@ -361,3 +361,29 @@ def test_uneven_join_waits_5_seconds_by_default():
     runs it at 2 s and reads 2000 ms)."""
     source = (REPO / "07_beyond_ddp/uneven_join.py").read_text()
     assert re.search(r'"--timeout", type=float, default=5\.0\b', source)
+
+
+@pytest.mark.slow
+def test_the_memory_benchmark_counts_every_ranks_tensors_and_each_methods_buffer(tmp_path):
+    """bench/memory.py --quick (the ConvNet at 1 and 2 ranks): the bytes it reports, recomputed here from the model
+    alone: DDP and ZeRO add DDP's buckets, another copy of the gradients; FSDP2's rank r holds rows
+    [r * ceil(n/2), ...) of every parameter, its gradient and Adam's two moments of them, and gathers one unit at a
+    time (the largest: fc, which the root takes)."""
+    run([PYTHON, "bench/memory.py", "--quick", "--output-dir", tmp_path], timeout=240)
+    record = json.loads(next(tmp_path.glob("memory_gloo_*_quick_*.json")).read_text())
+    model = common.ConvNet()
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    units = [model.layer1, model.layer2, model.fc]
+    largest = max(sum(p.numel() * p.element_size() for p in unit.parameters()) for unit in units)
+    for ws in ("1", "2"):
+        for method in ("ddp", "zero"):
+            for row in record["per_rank"][f"convnet/{method}"][ws]:
+                assert row["params"] == row["grads"] == row["buffer"] == whole, (method, ws, row)
+        for rank, row in enumerate(record["per_rank"]["convnet/fsdp2"][ws]):
+            pieces = [p.detach().chunk(int(ws)) for p in model.parameters()]  # as fully_shard cuts dimension 0
+            mine = sum(c[rank].numel() * c[rank].element_size() for c in pieces if rank < len(c))
+            assert row["params"] == row["grads"] == mine and row["optimizer"] == 2 * mine, (ws, rank, row)
+            assert row["buffer"] == largest and row["with_buffer"] == row["total"] + largest, (ws, rank, row)
+    assert record["per_rank"]["convnet/ddp"]["1"][0]["optimizer"] == 2 * whole  # Adam: two numbers per weight
+    md = next(tmp_path.glob("memory_gloo_*_quick_*.md")).read_text()
+    assert "tensor bytes per rank" in md and "DDP's gradient buckets" in md and "gathered weights" in md
