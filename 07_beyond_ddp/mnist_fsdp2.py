@@ -21,14 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as dsd
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -47,8 +41,7 @@ def train(args, device, rank, world_size):
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
     # DDP: exact evaluation, rank r takes test images r, r+world_size, ...: disjoint, nothing padded
-    # FSDP: every forward all-gathers the weights, so every rank runs as many evaluation batches as the others
-    batches = math.ceil(len(test_set) / world_size / 1000)  # the parts differ by one image at most
+    batches = math.ceil(len(test_set) / world_size / 1000)  # FSDP: as many on every rank: each forward all-gathers
     test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)),
                              batch_size=math.ceil(len(test_set) / world_size / batches))
 
@@ -57,7 +50,6 @@ def train(args, device, rank, world_size):
     mesh = init_device_mesh(device.type, (world_size,))  # FSDP: the ranks to shard over (the default group)
     bf16 = args.bf16 == "on" or (args.bf16 == "auto" and device.type == "cuda"
                                  and torch.cuda.is_bf16_supported(including_emulation=False))
-    # FSDP: compute in bf16 (--bf16); the gradients are reduced and the weights kept and updated in float32
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     for norm in (model.layer1[1], model.layer2[1]):  # FSDP: BatchNorm stays float32, as its running statistics
         fully_shard(norm, mesh=mesh)
@@ -65,24 +57,20 @@ def train(args, device, rank, world_size):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # FSDP: the root takes the rest (fc) and drives the others
     model.to_empty(device=device)  # FSDP: this rank's shards and the buffers, allocated, not yet initialised
-    # FSDP: unlike DDP(...), fully_shard copies no weights between ranks. Rank 0 builds the whole model in host
-    # memory, every rank keeps its shard of it and the BatchNorm buffers: rank 0's start, as DDP's, whatever the seeds
-    full = common.ConvNet().state_dict() if rank == 0 else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # over the shards: 1/N of the state
+    # FSDP: fully_shard copies no weights (DDP does): each rank keeps its shard of rank 0's model, and its buffers
+    full = common.ConvNet().state_dict() if rank == 0 else {}  # whole, in rank 0's host memory
+    dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     path = os.path.join(args.checkpoint_dir, "mnist_fsdp2") if args.checkpoint_dir else ""
-    if path and rank == 0:  # what a crash while saving (below) left: finish its swap, drop the other folders
-        if os.path.exists(path + ".old") and not os.path.exists(path):
-            os.replace(path + ".tmp", path)  # cut between the two renames: .tmp was whole before .old was made
-        for leftover in (path + ".tmp", path + ".old"):
-            shutil.rmtree(leftover, ignore_errors=True)
+    if path and rank == 0 and os.path.exists(path + ".old") and not os.path.exists(path):
+        os.replace(path + ".tmp", path)  # a crash came between the two renames below: .tmp is whole, finish the swap
     dist.barrier()  # no rank looks for the checkpoint before that
     start_epoch = 0
-    if path and os.path.exists(path):  # continue a run, at any world size: each rank reads the shards it needs
-        model_state, optimizer_state = get_state_dict(model, optimizer)  # FSDP: this rank's shards, to fill in
-        state = {"model": model_state, "optimizer": optimizer_state, "epoch": 0}
+    if path and os.path.exists(path):  # continue a run: every rank reads the same checkpoint
+        model_sd, optim_sd = dsd.get_state_dict(model, optimizer)  # FSDP: this rank's shards, to fill in
+        state = {"model": model_sd, "optimizer": optim_sd, "epoch": 0}
         dcp.load(state, checkpoint_id=path)  # in place
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        dsd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         start_epoch = state["epoch"]
         if rank == 0:
             print(f"resumed from {path} after epoch {start_epoch}")
@@ -116,13 +104,12 @@ def train(args, device, rank, world_size):
             print(f"epoch {epoch + 1}/{args.epochs}: train_loss={train_loss_sum / trained:.4f} "
                   f"test_loss={loss_sum / samples:.4f} test_acc={correct / samples:.4f}")
         if path:  # FSDP: every rank writes its own shards (a collective) into a new folder; rank 0 swaps it in
-            model_state, optimizer_state = get_state_dict(model, optimizer)
-            dcp.save({"model": model_state, "optimizer": optimizer_state, "epoch": epoch + 1},
-                     checkpoint_id=path + ".tmp")  # rank 0 writes .metadata last, after every rank's shards
-            # FSDP: the full weights, all-gathered by every rank and kept on rank 0's CPU only
-            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if rank == 0:  # into the same folder: the sharded and the full weights are always of one epoch
+            model_sd, optim_sd = dsd.get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optimizer": optim_sd, "epoch": epoch + 1}, checkpoint_id=path + ".tmp")
+            full = dsd.get_model_state_dict(model, options=dsd.StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if rank == 0:  # the full weights go into the same folder: both are always of one epoch
                 torch.save(full, os.path.join(path + ".tmp", "model.pt"))
+                shutil.rmtree(path + ".old", ignore_errors=True)
                 if os.path.exists(path):  # a folder cannot replace another in one step: the old one moves aside
                     os.replace(path, path + ".old")
                 os.replace(path + ".tmp", path)

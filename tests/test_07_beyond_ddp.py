@@ -224,8 +224,8 @@ def test_fsdp2_starts_from_rank_0s_weights_and_a_save_killed_anywhere_resumes_fr
     """Per-rank seeds: fully_shard of each rank's own model is a patchwork of their inits; mnist_fsdp2.py starts
     from rank 0's weights whatever the seeds (--lr 0: the weights it saves are the ones it started from).
     Rank 0 killed at each point of the save of epoch 2: before .metadata, before the full weights, between the two
-    renames, before the old folder is removed. A new run continues from the last epoch saved whole, tidies up, and
-    ends with the weights of a run never killed; the sharded and the full weights in the folder are of one epoch."""
+    renames, before the old folder is removed. A new run continues from the last epoch saved whole and, after its
+    next save, leaves one folder whose sharded and full weights are of one epoch, those of a run never killed."""
     import torch.distributed.checkpoint as dcp
 
     ck = tmp_path / "ck"
@@ -241,11 +241,11 @@ def test_fsdp2_starts_from_rank_0s_weights_and_a_save_killed_anywhere_resumes_fr
             step("seeds", "seeds", "--lr", "0", "--epochs", "1", "--max-steps", "1",
                  rank_args=[["--seed", "0"], ["--seed", "1"]]),
             step("base", "base", "--epochs", "1"),
-            step("straight", "straight")]
+            step("straight", "straight", "--epochs", "3")]
     for point in POINTS:
         runs += [{"copy": [str(ck / "base"), str(ck / point)]},
                  step(f"{point}-killed", point, "--timeout", "10", crash=point),
-                 step(f"{point}-resumed", point)]
+                 step(f"{point}-resumed", point, "--epochs", "3")]
     patchwork, seeds, base, straight, *rest = drive(runs, tmp_path)
 
     assert patchwork["codes"] == [0, 0], patchwork["output"][-3000:]
@@ -284,7 +284,7 @@ def test_fsdp2_starts_from_rank_0s_weights_and_a_save_killed_anywhere_resumes_fr
         weights = load(folder / "model.pt")
         sharded = {"model": {key: torch.empty_like(value) for key, value in weights.items()}, "epoch": 0}
         dcp.load(sharded, checkpoint_id=str(folder))
-        assert sharded["epoch"] == 2, (point, sharded["epoch"])
+        assert sharded["epoch"] == 3, (point, sharded["epoch"])
         for key, value in weights.items():
             assert torch.equal(sharded["model"][key], value), (point, key)  # one epoch in the folder
             assert torch.equal(value, reference[key]), (point, key)  # as if never killed
