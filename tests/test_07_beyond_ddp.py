@@ -196,23 +196,53 @@ def test_fsdp2_zero_and_compile_train_as_ddp_and_the_sharded_checkpoint_resumes_
 
 
 POINTS = {"shards": 1, "weights": 1, "between": 2, "after": 2}  # where rank 0 dies: the epoch a resume continues
-PATCHWORK = """
-import os, sys
+FULLY_SHARD = """
+import sys
 import torch, torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 import common
 
+calls = {"all_gather": 0, "reduce_scatter": 0}  # FSDP2's collectives (torch/distributed/fsdp/_fully_shard/)
+for name, kind in (("all_gather_single", "all_gather"), ("reduce_scatter_single", "reduce_scatter")):
+    def counted(*args, _call=getattr(dist, name), _kind=kind, **kwargs):
+        calls[_kind] += 1
+        return _call(*args, **kwargs)
+    setattr(dist, name, counted)
+
+
+def step(model, batch):  # one forward and backward: the collectives it called
+    before = dict(calls)
+    F.cross_entropy(model(batch[0]), batch[1]).backward()
+    return {kind: calls[kind] - before[kind] for kind in calls}
+
+
+def sharded(reshard_after_forward):
+    torch.manual_seed(dist.get_rank())  # a seed per rank: each rank builds its own model
+    model = common.ConvNet()
+    for block in (model.layer1, model.layer2):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 dist.init_process_group("gloo")
-torch.manual_seed(dist.get_rank())  # a seed per rank, each rank builds its own model
-model = common.ConvNet()
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-for block in (model.layer1, model.layer2):
-    fully_shard(block, mesh=mesh)
-fully_shard(model, mesh=mesh)
-full = {name: p.full_tensor() for name, p in model.named_parameters()}
+batches = [(torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g))
+           for g in (torch.Generator().manual_seed(100 * dist.get_rank() + micro) for micro in range(2))]
+model = sharded(True)
+out = {"full": {name: p.full_tensor() for name, p in model.named_parameters()}}
+model.set_requires_gradient_sync(False)  # gradient accumulation: the first micro-batch keeps its gradients
+out["no_sync"] = step(model, batches[0])
+model.set_requires_gradient_sync(True)
+out["synced"] = step(model, batches[1])
+norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+out.update(norm=norm.full_tensor(), norm_type=type(norm).__name__,
+           grads={name: p.grad.full_tensor() for name, p in model.named_parameters()})
+out["kept"] = step(sharded(False), batches[0])  # the blocks keep their gathered weights from forward to backward
 if dist.get_rank() == 0:
-    torch.save(full, sys.argv[1])
+    torch.save(out, sys.argv[1])
 dist.destroy_process_group()
 """
 
@@ -221,8 +251,14 @@ dist.destroy_process_group()
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load here, in one process, no group
 def test_fsdp2_starts_from_rank_0s_weights_and_a_save_killed_anywhere_resumes_from_the_last_whole_epoch(
         data_dir, tmp_path):
-    """Per-rank seeds: fully_shard of each rank's own model is a patchwork of their inits; mnist_fsdp2.py starts
-    from rank 0's weights whatever the seeds (--lr 0: the weights it saves are the ones it started from).
+    """fully_shard on 2 ranks (ConvNet, a unit per block and the root): with a seed per rank, its weights are a
+    patchwork of the ranks' inits. A forward and backward all-gather 3 units and again the 2 blocks in backward (the
+    root keeps its weights), and reduce-scatter 3; with reshard_after_forward=False on the blocks, no all-gather in
+    backward; set_requires_gradient_sync(False) skips the reduce-scatters, and the next synced step's gradients are
+    those of both micro-batches; clip_grad_norm_ on the sharded gradients returns the global norm (a DTensor) and
+    clips them as one model's.
+    mnist_fsdp2.py starts from rank 0's weights whatever the seeds (--lr 0: the weights it saves are the ones it
+    started from).
     Rank 0 killed at each point of the save of epoch 2: before .metadata, before the full weights, between the two
     renames, before the old folder is removed. A new run continues from the last epoch saved whole and, after its
     next save, leaves one folder whose sharded and full weights are of one epoch, those of a run never killed."""
@@ -235,9 +271,9 @@ def test_fsdp2_starts_from_rank_0s_weights_and_a_save_killed_anywhere_resumes_fr
         return {"script": fsdp2, "nproc": 2, "folder": str(tmp_path / "runs" / name), "listing": str(ck / folder),
                 "args": [*STANDIN, "--data-dir", str(data_dir), "--checkpoint-dir", str(ck / folder), *extra], **more}
 
-    (tmp_path / "patchwork.py").write_text(PATCHWORK)
-    runs = [{"script": str(tmp_path / "patchwork.py"), "nproc": 2, "args": [str(tmp_path / "patchwork.pt")],
-             "folder": str(tmp_path / "runs" / "patchwork")},
+    (tmp_path / "fully_shard.py").write_text(FULLY_SHARD)
+    runs = [{"script": str(tmp_path / "fully_shard.py"), "nproc": 2, "args": [str(tmp_path / "fully_shard.pt")],
+             "folder": str(tmp_path / "runs" / "fully_shard")},
             step("seeds", "seeds", "--lr", "0", "--epochs", "1", "--max-steps", "1",
                  rank_args=[["--seed", "0"], ["--seed", "1"]]),
             step("base", "base", "--epochs", "1"),
@@ -246,10 +282,11 @@ def test_fsdp2_starts_from_rank_0s_weights_and_a_save_killed_anywhere_resumes_fr
         runs += [{"copy": [str(ck / "base"), str(ck / point)]},
                  step(f"{point}-killed", point, "--timeout", "10", crash=point),
                  step(f"{point}-resumed", point, "--epochs", "3")]
-    patchwork, seeds, base, straight, *rest = drive(runs, tmp_path)
+    sharding, seeds, base, straight, *rest = drive(runs, tmp_path)
 
-    assert patchwork["codes"] == [0, 0], patchwork["output"][-3000:]
-    full = load(tmp_path / "patchwork.pt")
+    assert sharding["codes"] == [0, 0], sharding["output"][-3000:]
+    seen = load(tmp_path / "fully_shard.pt")
+    full = seen["full"]
     inits = []
     for seed in (0, 1):
         torch.manual_seed(seed)
@@ -260,6 +297,23 @@ def test_fsdp2_starts_from_rank_0s_weights_and_a_save_killed_anywhere_resumes_fr
         if not torch.equal(inits[0][name], inits[1][name]):  # the random ones (BatchNorm starts at 1 and 0)
             assert not torch.equal(value, inits[0][name]) and not torch.equal(value, inits[1][name]), name
     assert any(not torch.equal(a, inits[1][name]) for name, a in inits[0].items())
+    assert seen["no_sync"] == {"all_gather": 5, "reduce_scatter": 0}, seen["no_sync"]
+    assert seen["synced"] == {"all_gather": 5, "reduce_scatter": 3}, seen["synced"]
+    assert seen["kept"] == {"all_gather": 3, "reduce_scatter": 3}, seen["kept"]
+    model = common.ConvNet()  # the same step on one process: the whole model, each rank's batches with their own
+    model.load_state_dict(full, strict=False)  # BatchNorm statistics, the ranks' losses averaged
+    loss = 0
+    for rank in (0, 1):
+        for micro in (0, 1):
+            g = torch.Generator().manual_seed(100 * rank + micro)
+            x, y = torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)
+            loss = loss + torch.nn.functional.cross_entropy(model(x), y) / 2
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+    assert seen["norm_type"] == "DTensor" and torch.allclose(seen["norm"], norm, rtol=1e-5), (seen["norm"], norm)
+    assert norm > 1  # so the clipping changed the gradients
+    for name, p in model.named_parameters():
+        assert torch.allclose(seen["grads"][name], p.grad, rtol=1e-4, atol=1e-7), name
     assert seeds["codes"] == [0, 0], seeds["output"][-3000:]
     started = load(ck / "seeds" / "mnist_fsdp2" / "model.pt")
     for name, value in inits[0].items():  # the course's way: rank 0's init, whole
