@@ -5,7 +5,7 @@ keeps the optimizer state of about 1/N of the parameters) and --compile (torch.c
     torchrun --standalone --nproc-per-node 2 07_beyond_ddp/mnist_zero_compile.py --zero --checkpoint-dir runs/zero
     torchrun --standalone --nproc-per-node 2 07_beyond_ddp/mnist_zero_compile.py --compile
     make zero NPROC=2
-    make compile NPROC=2
+    make compile NPROC=2            # on the CPU, first checks that there is a C++ compiler, then torchrun
 """
 
 import argparse
