@@ -441,3 +441,20 @@ def test_the_memory_benchmark_counts_every_ranks_tensors_and_each_methods_buffer
     assert record["per_rank"]["convnet/ddp"]["1"][0]["optimizer"] == 2 * whole  # Adam: two numbers per weight
     md = next(tmp_path.glob("memory_gloo_*_quick_*.md")).read_text()
     assert "tensor bytes per rank" in md and "DDP's gradient buckets" in md and "gathered weights" in md
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+def test_the_memory_benchmark_on_a_gpu_adds_each_ranks_allocator_peak(tmp_path):
+    """`bench/memory.py --device cuda`: one rank per GPU over NCCL; each rank's torch.cuda.max_memory_allocated()
+    holds at least the tensors counted beside it, and DDP's buckets too, which live as long as the model (FSDP2's
+    gathered unit is freed before the optimizer's state is made)."""
+    run([PYTHON, "bench/memory.py", "--quick", "--device", "cuda", "--output-dir", tmp_path], timeout=300)
+    record = json.loads(next(tmp_path.glob("memory_nccl_*_quick_*.json")).read_text())
+    assert record["machine"]["backend"] == "nccl" and record["machine"]["gpus"] >= 1
+    for key, by_ws in record["per_rank"].items():
+        for ws, rows in by_ws.items():
+            assert len(rows) == int(ws) <= torch.cuda.device_count(), (key, ws)
+            for row in rows:
+                kept = row["with_buffer"] if key.endswith(("/ddp", "/zero")) else row["total"]
+                assert row["peak_allocated"] >= kept > 0, (key, ws, row)
