@@ -205,7 +205,9 @@ from torch.distributed.fsdp import fully_shard
 import common
 
 calls = {"all_gather": 0, "reduce_scatter": 0}  # FSDP2's collectives (torch/distributed/fsdp/_fully_shard/)
-for name, kind in (("all_gather_single", "all_gather"), ("reduce_scatter_single", "reduce_scatter")):
+for kind, new, old in (("all_gather", "all_gather_single", "all_gather_into_tensor"),
+                       ("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor")):
+    name = new if hasattr(dist, new) else old  # the names of torch 2.13 on, the older ones before
     def counted(*args, _call=getattr(dist, name), _kind=kind, **kwargs):
         calls[_kind] += 1
         return _call(*args, **kwargs)
