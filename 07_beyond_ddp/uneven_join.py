@@ -56,7 +56,7 @@ def main():
             for x, y in loader:
                 loss = F.mse_loss(model(x), y)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # DDP: an all-reduce that every rank must join: without Join, rank 1's fifth waits
+                loss.backward()  # DDP: an all-reduce every rank must join; without Join rank 1's fifth finds no one
                 optimizer.step()
                 seen += len(x)
         if rank == 0:
