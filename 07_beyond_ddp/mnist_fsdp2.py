@@ -1,16 +1,9 @@
-"""Step 6 of the MNIST chain: the training of step 3 with FSDP2 (fully_shard): every rank holds 1/N of every weight.
+"""Step 6 of the MNIST chain: the training of step 3 with FSDP2 (fully_shard): every rank holds 1/N of every weight,
+of its gradient and of its optimizer state. The data side and the process group's life are the chain's.
 
-DDP keeps a whole copy of the model, its gradients and its optimizer state on every rank. FSDP2 shards all three:
-each parameter becomes a DTensor whose rank r holds rows r, r+1, ... of dimension 0 (about 1/N of it); a block
-all-gathers its weights just before its forward and backward and frees them after, and the gradients are
-reduce-scattered instead of all-reduced. The data side (DistributedSampler, set_epoch, the exact evaluation) and
-the process group's life are the chain's.
-
-Checkpoints, with --checkpoint-dir, after every epoch:
-  DIR/mnist_fsdp2/           sharded (torch.distributed.checkpoint): each rank writes its own shards; a run
-                             continues from it at any number of processes (saved by 2, continued by 3)
-  DIR/mnist_fsdp2_model.pt   the full weights, gathered and saved by rank 0: a plain state_dict that loads into
-                             common.ConvNet() with strict=True (inference, export, another program)
+With --checkpoint-dir DIR it saves DIR/mnist_fsdp2/ after every epoch: the sharded checkpoint (each rank writes
+its own shards; a run continues from it at any number of processes) and model.pt, the full weights of the same
+epoch as a plain state_dict of common.ConvNet().
 
     torchrun --standalone --nproc-per-node 2 07_beyond_ddp/mnist_fsdp2.py --checkpoint-dir runs/fsdp
     torchrun --standalone --nproc-per-node 3 07_beyond_ddp/mnist_fsdp2.py --checkpoint-dir runs/fsdp --epochs 3
@@ -28,8 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as dsd
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -48,29 +41,36 @@ def train(args, device, rank, world_size):
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
     # DDP: exact evaluation, rank r takes test images r, r+world_size, ...: disjoint, nothing padded
-    # FSDP: every forward all-gathers the weights, so every rank runs as many evaluation batches as the others
-    batches = math.ceil(len(test_set) / world_size / 1000)  # the parts differ by one image at most
+    batches = math.ceil(len(test_set) / world_size / 1000)  # FSDP: as many on every rank: each forward all-gathers
     test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)),
                              batch_size=math.ceil(len(test_set) / world_size / batches))
 
-    model = common.ConvNet().to(device)
+    with torch.device("meta"):  # FSDP: shapes only, no memory yet: each rank will allocate only its shards
+        model = common.ConvNet()
     mesh = init_device_mesh(device.type, (world_size,))  # FSDP: the ranks to shard over (the default group)
-    bf16 = args.bf16 == "on" or (args.bf16 == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
-    # FSDP: compute in bf16 (--bf16); the gradients are reduced and the weights kept and updated in float32
+    bf16 = args.bf16 == "on" or (args.bf16 == "auto" and device.type == "cuda"
+                                 and torch.cuda.is_bf16_supported(including_emulation=False))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     for norm in (model.layer1[1], model.layer2[1]):  # FSDP: BatchNorm stays float32, as its running statistics
         fully_shard(norm, mesh=mesh)
-    for block in (model.layer1, model.layer2):  # FSDP: one all-gather per block, freed after its use
+    for block in (model.layer1, model.layer2):  # FSDP: a unit per block (its BatchNorm is a unit of its own)
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # FSDP: the root takes the rest (fc) and drives the others
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # over the shards: 1/N of the state
+    model.to_empty(device=device)  # FSDP: this rank's shards and the buffers, allocated, not yet initialised
+    # FSDP: fully_shard copies no weights (DDP does): each rank keeps its shard of rank 0's model, and its buffers
+    full = common.ConvNet().state_dict() if rank == 0 else {}  # whole, in rank 0's host memory
+    dsd.set_model_state_dict(model, full, options=dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     path = os.path.join(args.checkpoint_dir, "mnist_fsdp2") if args.checkpoint_dir else ""
+    if path and rank == 0 and os.path.exists(path + ".old") and not os.path.exists(path):
+        os.replace(path + ".tmp", path)  # a crash came between the two renames below: .tmp is whole, finish the swap
+    dist.barrier()  # no rank looks for the checkpoint before that
     start_epoch = 0
-    if path and os.path.exists(path):  # continue a run, at any world size: each rank reads the shards it needs
-        model_state, optimizer_state = get_state_dict(model, optimizer)  # FSDP: this rank's shards, to fill in
-        state = {"model": model_state, "optimizer": optimizer_state, "epoch": 0}
+    if path and os.path.exists(path):  # continue a run: every rank reads the same checkpoint
+        model_sd, optim_sd = dsd.get_state_dict(model, optimizer)  # FSDP: this rank's shards, to fill in
+        state = {"model": model_sd, "optimizer": optim_sd, "epoch": 0}
         dcp.load(state, checkpoint_id=path)  # in place
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        dsd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         start_epoch = state["epoch"]
         if rank == 0:
             print(f"resumed from {path} after epoch {start_epoch}")
@@ -87,7 +87,7 @@ def train(args, device, rank, world_size):
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP: all-reduces the gradients here, bucket by bucket, while backward runs
+            loss.backward()  # FSDP: reduce-scatters each unit's gradients as its backward ends: 1/N each
             optimizer.step()
             train_sums[0] += loss.detach() * len(labels)  # on the device: no wait for the GPU here
             train_sums[1] += len(labels)
@@ -104,16 +104,13 @@ def train(args, device, rank, world_size):
             print(f"epoch {epoch + 1}/{args.epochs}: train_loss={train_loss_sum / trained:.4f} "
                   f"test_loss={loss_sum / samples:.4f} test_acc={correct / samples:.4f}")
         if path:  # FSDP: every rank writes its own shards (a collective) into a new folder; rank 0 swaps it in
-            model_state, optimizer_state = get_state_dict(model, optimizer)
-            dcp.save({"model": model_state, "optimizer": optimizer_state, "epoch": epoch + 1},
-                     checkpoint_id=path + ".tmp")
-            # FSDP: the full weights, all-gathered by every rank and kept on rank 0's CPU only
-            full, _ = get_state_dict(model, [], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if rank == 0:  # a crash while saving leaves the last good checkpoints
-                torch.save(full, path + "_model.pt.tmp")
-                os.replace(path + "_model.pt.tmp", path + "_model.pt")
+            model_sd, optim_sd = dsd.get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optimizer": optim_sd, "epoch": epoch + 1}, checkpoint_id=path + ".tmp")
+            full = dsd.get_model_state_dict(model, options=dsd.StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if rank == 0:  # the full weights go into the same folder: both are always of one epoch
+                torch.save(full, os.path.join(path + ".tmp", "model.pt"))
                 shutil.rmtree(path + ".old", ignore_errors=True)
-                if os.path.exists(path):
+                if os.path.exists(path):  # a folder cannot replace another in one step: the old one moves aside
                     os.replace(path, path + ".old")
                 os.replace(path + ".tmp", path)
                 shutil.rmtree(path + ".old", ignore_errors=True)

@@ -1,19 +1,11 @@
-"""Beyond DDP, side step: the chain's DDP training with two switches, --zero and --compile.
-
---zero   ZeroRedundancyOptimizer (ZeRO stage 1): each rank keeps the optimizer state of about 1/N of the
-         parameters and updates only those, then broadcasts them. Weights and gradients stay whole on every rank.
-         Saving has a trap: consolidate_state_dict() is a collective, so EVERY rank calls it before rank 0 saves;
-         called on rank 0 alone, it waits for broadcasts the others never send: it hangs or fails.
---compile torch.compile(ddp_model), after the wrap. Dynamo's DDPOptimizer cuts the graph at DDP's bucket
-         boundaries so that each bucket's all-reduce still starts while backward runs; the first step pays for
-         the compilation (seconds to minutes), a new input shape (an epoch's smaller last batch) compiles again.
-         On the CPU, inductor builds C++ and needs a C++ compiler (g++ or clang++); `--compile aot_eager`
-         needs none (it checks the graphs, it does not speed them up).
+"""Beyond DDP, side step: the chain's DDP training with two switches, --zero (ZeroRedundancyOptimizer: each rank
+keeps the optimizer state of about 1/N of the parameters) and --compile (torch.compile of the model inside DDP;
+`--compile aot_eager` needs no C++ compiler).
 
     torchrun --standalone --nproc-per-node 2 07_beyond_ddp/mnist_zero_compile.py --zero --checkpoint-dir runs/zero
     torchrun --standalone --nproc-per-node 2 07_beyond_ddp/mnist_zero_compile.py --compile
     make zero NPROC=2
-    make compile NPROC=2
+    make compile NPROC=2            # on the CPU, first checks that there is a C++ compiler, then torchrun
 """
 
 import argparse
@@ -46,6 +38,8 @@ def train(args, device, rank, world_size):
     test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=1000)
 
     model = common.ConvNet().to(device)
+    if args.compile:  # compile: the module inside DDP, before the wrap ("Where to apply torch.compile?", README)
+        model.compile(backend=args.compile)
     # DDP: copies rank 0's weights to every rank now, then averages the gradients in every backward()
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if args.zero:  # ZeRO: this rank keeps the momentum of its part of the parameters only
@@ -62,7 +56,6 @@ def train(args, device, rank, world_size):
         if rank == 0:
             print(f"resumed from {path} after epoch {start_epoch}")
 
-    step_model = torch.compile(model, backend=args.compile) if args.compile else model  # compile: after the wrap
     start = time.time()
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new order every epoch, the same permutation on every rank
@@ -74,12 +67,14 @@ def train(args, device, rank, world_size):
                 break
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             step_start = time.time()
-            loss = F.cross_entropy(step_model(images), labels)
+            loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP: all-reduces the gradients here, bucket by bucket, while backward runs
             optimizer.step()  # ZeRO: updates this rank's part, then broadcasts it to the others
-            if rank == 0 and args.compile and epoch == start_epoch and step in (0, 1):
-                print(f"compile: step {step + 1} took {time.time() - step_start:.2f} s")  # the first one compiles
+            if rank == 0 and args.compile and epoch == start_epoch and step in (0, 1):  # the first step compiles
+                if device.type == "cuda":
+                    torch.cuda.synchronize()  # the GPU runs behind the CPU: wait for it before reading the clock
+                print(f"compile: step {step + 1} took {time.time() - step_start:.2f} s")
             train_sums[0] += loss.detach() * len(labels)  # on the device: no wait for the GPU here
             train_sums[1] += len(labels)
             if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
@@ -94,7 +89,7 @@ def train(args, device, rank, world_size):
         if rank == 0:
             print(f"epoch {epoch + 1}/{args.epochs}: train_loss={train_loss_sum / trained:.4f} "
                   f"test_loss={loss_sum / samples:.4f} test_acc={correct / samples:.4f}")
-        if path and args.zero:  # ZeRO: a collective, on EVERY rank; called by rank 0 alone it waits for ever
+        if path and args.zero:  # ZeRO: gathers every rank's part on rank 0: a collective, so on EVERY rank
             optimizer.consolidate_state_dict(to=0)
         if rank == 0 and path:  # DDP: one writer is enough, every rank holds the same weights
             state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
@@ -111,7 +106,7 @@ def main():
     parser = argparse.ArgumentParser(description="MNIST with DDP, ZeRO (--zero) and torch.compile (--compile).")
     parser.add_argument("--zero", action="store_true", help="shard the optimizer state (ZeroRedundancyOptimizer)")
     parser.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
-                        help="torch.compile the DDP model (backend: inductor; aot_eager needs no C++ compiler)")
+                        help="torch.compile the model (backend: inductor; aot_eager needs no C++ compiler)")
     parser.add_argument("--local-rank", "--local_rank", type=int, help="passed by the deprecated launcher; unused")
     args = common.add_training_flags(parser).parse_args()
     # DDP: torchrun tells each process its place: RANK among all, LOCAL_RANK among those on this node

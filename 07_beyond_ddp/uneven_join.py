@@ -1,19 +1,5 @@
-"""Uneven inputs: the ranks hold different numbers of batches. Without Join the job fails at the group's timeout;
-with Join it finishes.
-
-DDP's backward all-reduces the gradients, so every rank must run as many backward passes as the others. Here
-each rank reads its own part of the data (an IterableDataset sharded by rank, as when every rank reads its own
-files): rank r holds BATCHES + r batches. Rank 0 runs out first, leaves the loop and calls the next collective
-(the sum of the samples every rank trained on), while rank 1 still waits in the all-reduce of its extra
-backward pass. The two calls never match: both wait until --timeout (5 s here; Gloo's default is 30 minutes)
-and the job fails.
-
-`with Join([model]):` around the loop fixes it: a rank whose data has ended answers the others' all-reduces with
-zeros until every rank has ended (DDP still divides by the initial world size unless it is built with
-divide_by_initial_world_size=False: then by the ranks still training). Join needs every
-collective inside the loop to be join-aware (DDP and ZeroRedundancyOptimizer are; a plain dist.all_reduce in
-the loop is not: do that after the loop). A DistributedSampler avoids the problem for map-style data sets: it
-pads (or with drop_last=True, cuts) every rank to the same number of samples.
+"""Uneven inputs: rank r holds 4 + r batches of its own data (an IterableDataset sharded by rank). Without Join the
+job fails at the group's timeout; with Join it finishes.
 
     torchrun --standalone --nproc-per-node 2 07_beyond_ddp/uneven_join.py          # fails after --timeout
     torchrun --standalone --nproc-per-node 2 07_beyond_ddp/uneven_join.py --join   # finishes
@@ -65,22 +51,23 @@ def main():
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         loader = DataLoader(RankShard(rank, args.batches, args.batch_size), batch_size=args.batch_size)
         seen = torch.zeros(1)
+        # Join: a rank whose data has ended answers the others' all-reduces with zeros until every rank has ended
         with Join([model], enable=args.join):  # enable=False: the loop as it would be without Join
             for x, y in loader:
                 loss = F.mse_loss(model(x), y)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # DDP: an all-reduce that every rank still in the loop must join
+                loss.backward()  # DDP: an all-reduce every rank must join; without Join rank 1's fifth finds no one
                 optimizer.step()
                 seen += len(x)
         if rank == 0:
             print(f"rank 0: trained on {int(seen)} samples, waiting for the others", flush=True)
-        # Gloo: a barrier that names the ranks that do not arrive within the timeout (here: one stuck in backward)
+        # Gloo: rank 0's next collective, a barrier that names the ranks that do not arrive within the timeout
         dist.monitored_barrier(timeout=timedelta(seconds=args.timeout), wait_all_ranks=True)
         dist.all_reduce(seen)
         if rank == 0:
             print(f"final: samples={int(seen)} world_size={world_size} join={args.join}")
     finally:
-        gc.collect()  # DDP: a DDP model lives in reference cycles; free it before its group, or exit can abort
+        gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         dist.destroy_process_group()
 
 

@@ -33,7 +33,8 @@ show("07_beyond_ddp/mnist_fsdp2.py", marked="FSDP:")
 # %% [markdown]
 # ## Saved by 2 ranks, continued by 3
 #
-# One epoch with 2 processes writes the sharded checkpoint and the full weights; 3 processes then continue it.
+# One epoch with 2 processes writes the sharded checkpoint and the full weights into one folder; 3 processes then
+# continue it.
 
 # %% tags=["nbval-skip"]
 import tempfile
@@ -59,36 +60,42 @@ for key, m in meta.state_dict_metadata.items():
         print(f"{key:24} {tuple(m.size)!s:18} rows per file: {parts}")
 
 # %% [markdown]
-# The full weights, gathered by rank 0, are a plain `ConvNet` state_dict:
+# The full weights of the same epoch, `model.pt` in that folder, are a plain `ConvNet` state_dict:
 
 # %% tags=["nbval-skip"]
+from pathlib import Path
+
 import torch
 
 import common
 
 model = common.ConvNet()
-print(model.load_state_dict(torch.load(f"{ck}/mnist_fsdp2_model.pt", weights_only=True), strict=True))
+print(sorted(p.name for p in Path(ck).iterdir()), sorted(p.name for p in Path(ck, "mnist_fsdp2").iterdir()))
+print(model.load_state_dict(torch.load(f"{ck}/mnist_fsdp2/model.pt", weights_only=True), strict=True))
 
 # %% tags=["nbval-skip", "check"] jupyter={"source_hidden": true}
 # the notebook's own checks (collapsed in Jupyter)
 assert final(two)["world_size"] == 2 and final(three)["world_size"] == 3
 assert "resumed from" in three and "after epoch 1" in three
+assert sorted(p.name for p in Path(ck).iterdir()) == ["mnist_fsdp2"]  # the swap left nothing beside it
 
 # %% [markdown]
 # ## Memory per rank: DDP, ZeRO, FSDP2
 #
-# The recorded `make bench-memory` (parameters, gradients and Adam's state after one step, the largest rank):
+# The recorded `make bench-memory`: tensor bytes after one step, the largest rank, in MiB. Parameters, gradients
+# and Adam's state, then the communication buffer (DDP's gradient buckets; FSDP2's largest gathered unit), and the
+# sum of both as a fraction of DDP's:
 
 # %%
 import json
 from pathlib import Path
 
-record = json.loads(Path("../bench/results/memory_gloo_cpu2_2026-11-25.json").read_text())
-print(f"{'model/method':18}{'N':>3}{'params MiB':>12}{'grads MiB':>11}{'Adam MiB':>10}{'total':>9}{'vs DDP':>8}")
+record = json.loads(Path("../bench/results/memory_gloo_cpu2_2026-11-28.json").read_text())
+print(f"{'model/method':16}{'N':>3}{'params':>9}{'grads':>8}{'Adam':>8}{'total':>9}{'buffer':>8}{'vs DDP':>8}")
 for key, by_ws in record["mib"].items():
     for ws, row in by_ws.items():
-        print(f"{key:18}{ws:>3}{row['params']:>12.2f}{row['grads']:>11.2f}{row['optimizer']:>10.2f}"
-              f"{row['total']:>9.2f}{row['vs_ddp']:>8.2f}")
+        print(f"{key:16}{ws:>3}{row['params']:>9.2f}{row['grads']:>8.2f}{row['optimizer']:>8.2f}"
+              f"{row['total']:>9.2f}{row['buffer']:>8.2f}{row['with_buffer_vs_ddp']:>8.2f}")
 
 # %% [markdown]
 # ## Uneven inputs
