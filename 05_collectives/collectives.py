@@ -30,11 +30,11 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatt
 UNSUPPORTED = {"nccl": {"BAND", "BOR", "BXOR"}}  # ReduceOps a backend refuses (see backend_matrix.py)
 
 
-def has_list_all_to_all(backend, ws) -> bool:
+def has_list_all_to_all(backend, ws, timeout) -> bool:
     """Whether this backend runs the list form of all_to_all. Gloo gained it after torch 2.11, which refuses the call
     on every rank before anything is sent ("Backend gloo does not support alltoall"). Asked once, in a throwaway
     group: a collective that failed must never be caught and carried on with in a group that is used again."""
-    probe = dist.new_group(backend=backend)
+    probe = dist.new_group(backend=backend, timeout=timeout)
     device = "cuda" if backend == "nccl" else "cpu"
     try:
         dist.all_to_all([torch.zeros(1, device=device) for _ in range(ws)],
@@ -82,7 +82,7 @@ def _same(got, want):
     return got == want
 
 
-def run_all(rank, ws, device, backend):
+def run_all(rank, ws, device, backend, timeout):
     def t(*values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=device)
 
@@ -151,7 +151,7 @@ def run_all(rank, ws, device, backend):
 
     send = [t(10 * rank + j) for j in range(ws)]  # piece j goes to rank j
     recv = [t(-1) for _ in range(ws)]
-    if not has_list_all_to_all(backend, ws):
+    if not has_list_all_to_all(backend, ws, timeout):
         if rank == 0:
             print(f"all_to_all  [not supported by gloo in torch {torch.__version__}: not run]")
     else:
@@ -202,7 +202,7 @@ def main():
             parser.error("needs at least 2 processes: --nproc-per-node 2 or more")
         if rank == 0:
             print(f"{ws} ranks, backend {backend}, device {device.type}, torch {torch.__version__}\n")
-        run_all(rank, ws, device, backend)
+        run_all(rank, ws, device, backend, timedelta(seconds=args.timeout))
         if rank == 0:
             print(f"\nresult: {'all collectives correct' if not FAILED else 'WRONG: ' + ', '.join(FAILED)}")
         dist.barrier()  # every rank finishes its work before any tears the group down

@@ -48,9 +48,10 @@ def train(args, device, rank, world_size):
     common.seed_everything(args.seed)
     train_set = common.load_dataset(args.dataset, args.data_dir, train=True)
     test_set = common.load_dataset(args.dataset, args.data_dir, train=False)
-    # DDP: each rank its own shard of the training set; exact shards of the test set (see section 02)
+    # DDP: each rank its own shard; one shared permutation per epoch, cut into world_size disjoint parts
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
+    # DDP: exact evaluation, rank r takes test images r, r+world_size, ...: disjoint, nothing padded
     test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=500)
     augment_rng = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own crops and flips
 
@@ -66,7 +67,7 @@ def train(args, device, rank, world_size):
         state = torch.load(path, map_location=device, weights_only=True)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
+        scaler.load_state_dict(state["scaler"])  # AMP: its scale, and when to grow it
         start_epoch = state["epoch"]
         if rank == 0:
             print(f"resumed from {path} after epoch {start_epoch}")
@@ -102,10 +103,11 @@ def train(args, device, rank, world_size):
                 optimizer.zero_grad(set_to_none=True)
 
         if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
-            for buffer in model.module.buffers():  # DDP: rank 0's BatchNorm statistics everywhere (section 02)
+            for buffer in model.module.buffers():  # DDP: rank 0's BatchNorm statistics everywhere (see README)
                 dist.broadcast(buffer, src=0)
+            # sums over this rank's part of the test set, and over its training batches
             totals = torch.cat([common.evaluate(model.module, test_loader, device), train_sums])
-            dist.all_reduce(totals)  # DDP: every rank evaluated its own part and trained on its own: add them up
+            dist.all_reduce(totals)  # DDP: the sums of all ranks, on every rank: one all_reduce for every metric
             correct, samples, loss_sum, train_loss_sum, trained = totals.tolist()
             acc = correct / samples
             if rank == 0:

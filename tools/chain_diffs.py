@@ -1,4 +1,5 @@
-"""Render the diff between consecutive steps of the MNIST chain into the section READMEs.
+"""Render the diff between consecutive steps of the MNIST chain into the section READMEs (and of the scripts that copy
+a step, SIDE).
 
 Each step's README holds a block between two markers; this tool rewrites what is inside:
 
@@ -31,12 +32,23 @@ CHAIN = [
     ("03_ddp_torchrun/mnist_torchrun.py", "07_beyond_ddp/mnist_fsdp2.py"),
 ]
 LIMIT = 70  # changed code lines (added + removed) a step may show: one lesson, its imports and its launcher
+# Scripts beside the chain that copy one of its steps, held to it by the same check so that their copies do not drift
+# unseen: (the step, the script, the changed lines it may show). cifar_resnet.py is step 5 with another data set and
+# model, its augmentation, gradient accumulation and evaluation every K epochs: more than one lesson, shown on a page
+# of its own (docs/cifar-resnet-diff.md) instead of in 06's README.
+SIDE = [("03_ddp_torchrun/mnist_torchrun.py", "07_beyond_ddp/mnist_zero_compile.py", LIMIT),
+        ("06_amp_syncbn/mnist_amp_syncbn.py", "06_amp_syncbn/cifar_resnet.py", 120)]
 BLOCK = re.compile(r"(<!-- chain-diff: (\S+) -> (\S+) -->\n)(.*?)(<!-- /chain-diff -->)", re.S)
 
 
 def steps() -> list[tuple[str, str]]:
-    """The chain's (parent, step) pairs whose files both exist (steps not written yet are left out)."""
-    return [(a, b) for a, b in CHAIN if (REPO / a).exists() and (REPO / b).exists()]
+    """The (parent, step) pairs of the chain and beside it whose files both exist (steps not written yet are left
+    out)."""
+    return [(a, b) for a, b in [*CHAIN, *((a, b) for a, b, _ in SIDE)] if (REPO / a).exists() and (REPO / b).exists()]
+
+
+def limit(old: str, new: str) -> int:
+    return next((n for a, b, n in SIDE if (a, b) == (old, new)), LIMIT)
 
 
 def code(path: str) -> list[str]:
@@ -80,7 +92,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     problems, found = [], set()
-    for readme in sorted(REPO.glob("0*/README.md")):
+    for readme in sorted([*REPO.glob("0*/README.md"), *REPO.glob("docs/*.md")]):
         text = readme.read_text()
         new, seen = update(text)
         found |= seen
@@ -90,17 +102,18 @@ def main(argv=None) -> int:
                 print(f"updated {readme.relative_to(REPO)}")
             else:
                 problems.append(f"{readme.relative_to(REPO)}: diff is stale; run `make diffs`")
-    for old, new in sorted(found - set(CHAIN)):
-        problems.append(f"a README shows {old} -> {new}, which is not a step of the chain (CHAIN)")
+    for old, new in sorted(found - set(steps())):
+        problems.append(f"a README shows {old} -> {new}, which is not a step of the chain (CHAIN, SIDE)")
     for old, new in steps():
         if (old, new) not in found:
-            folder = Path(new).parent
-            problems.append(f"{folder}/README.md: no block for {old} -> {new}; add the markers:\n"
+            page = "docs/cifar-resnet-diff.md" if limit(old, new) > LIMIT else f"{Path(new).parent}/README.md"
+            problems.append(f"{page}: no block for {old} -> {new}; add the markers:\n"
                             f"  <!-- chain-diff: {old} -> {new} -->\n  <!-- /chain-diff -->")
     for old, new in steps():
         _, added, removed = changed(old, new)
-        if added + removed > LIMIT:
-            problems.append(f"{old} -> {new}: {added + removed} changed lines, more than the {LIMIT} of one lesson")
+        if added + removed > limit(old, new):
+            problems.append(f"{old} -> {new}: {added + removed} changed lines, more than the {limit(old, new)} it may "
+                            "show")
     for line in problems:
         print(line, file=sys.stderr)
     if not problems:
