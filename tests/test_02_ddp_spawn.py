@@ -406,7 +406,7 @@ def test_timeline_on_gpus_reports_step_times_and_places_its_lane_on_the_host(tmp
         assert host["ts"] - 1_000 <= first <= host["ts"] + host["dur"]  # within the host's step 0, microseconds
 
 
-BUFFER_SYNC = """
+BUFFERS_AND_THE_BLOG = """
 import datetime, torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -428,31 +428,7 @@ forward("second no_grad forward")
 forward("training forward", train=True)
 forward("first no_grad forward after training")
 forward("second no_grad forward after training")
-dist.destroy_process_group()
-"""
-
-
-@pytest.mark.slow
-def test_a_forward_through_ddp_broadcasts_the_buffers_first_and_after_each_training_forward(tmp_path):
-    """02's "Exact evaluation": DDP's first forward broadcasts rank 0's buffers, a no_grad one too, before any
-    training step; a no_grad forward after a no_grad forward does not; the first after a training forward does."""
-    script = tmp_path / "buffer_sync.py"
-    script.write_text(BUFFER_SYNC)
-    res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", script], timeout=120)
-    seen = {(int(r), stage): float(v) for r, stage, v in re.findall(r"^rank (\d) (.+): (\S+)$", res.stdout, re.M)}
-    rank_1 = [seen[(1, stage)] for stage in ("first forward, before any training", "second no_grad forward",
-                                             "first no_grad forward after training",
-                                             "second no_grad forward after training")]
-    assert rank_1 == [1.0, 2.0, 1.0, 2.0], seen  # 1.0: rank 0's statistics arrived; 2.0: rank 1 kept its own
-    assert {v for (r, _), v in seen.items() if r == 0} == {1.0}, seen
-
-
-BLOG_LOOP = """
-import datetime, torch, torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
-rank = dist.get_rank()
+# the blog's loop, on a model of its own, in the same group
 broadcasts, evaluating = {"evaluation": 0, "training": 0}, False
 coalesced = dist._broadcast_coalesced  # what DDP calls to broadcast its buffers: counted here
 def counted(*args, **kwargs):
@@ -480,7 +456,8 @@ for epoch in range(21):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-print(f"rank {rank} finished training, buffer broadcasts: {broadcasts}\\n", end="", flush=True)  # one write
+weights = torch.cat([p.detach().flatten() for p in model.parameters()]).double().sum().item().hex()
+print(f"rank {rank} finished training, weights {weights}, buffer broadcasts: {broadcasts}\\n", end="", flush=True)
 dist.barrier()
 if rank == 0:  # not the blog's: one more evaluation, after the last epoch
     evaluate()
@@ -490,24 +467,34 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_the_blogs_evaluation_on_rank_0_alone_pairs_its_broadcast_with_the_next_training_forward(tmp_path):
-    """The blog's loop: rank 0 evaluates through the DDP model at the start of every 10th epoch, and the loop runs
-    to its end: rank 0's evaluation broadcasts the buffers, which pairs with the other rank's next training forward,
-    and rank 0's own next training forward skips its broadcast (each rank counts the buffer broadcasts DDP makes).
-    One more evaluation after the last epoch has no partner: it fails."""
-    script = tmp_path / "blog_loop.py"
-    script.write_text(BLOG_LOOP)
+def test_ddp_forwards_broadcast_the_buffers_and_the_blogs_rank_0_evaluation_pairs_with_the_next_training(tmp_path):
+    """02's "Exact evaluation": DDP's first forward broadcasts rank 0's buffers, a no_grad one too, before any
+    training step; a no_grad forward after a no_grad forward does not; the first after a training forward does.
+    Then, in the same group, the blog's loop: rank 0 evaluates through the DDP model at the start of every 10th
+    epoch, and the loop runs to its end: rank 0's evaluation broadcasts the buffers, which pairs with the other rank's
+    next training forward, and rank 0's own next training forward skips its broadcast (each rank counts the buffer
+    broadcasts DDP makes). One more evaluation after the last epoch has no partner: it fails."""
+    script = tmp_path / "buffers_and_the_blog.py"
+    script.write_text(BUFFERS_AND_THE_BLOG)
     res = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", script], timeout=120, expect_rc=1)
     assert re.findall(r"^rank 0 evaluated at the start of epoch (\d+)$", res.stdout, re.M) == ["0", "10", "20"], \
         res.tail()
-    counts = {int(r): ast.literal_eval(c) for r, c in
-              re.findall(r"^rank (\d) finished training, buffer broadcasts: (.+)$", res.stdout, re.M)}
+    finished = re.findall(r"^rank (\d) finished training, weights (\S+), buffer broadcasts: (.+)$", res.stdout, re.M)
+    counts = {int(r): ast.literal_eval(c) for r, _, c in finished}
     assert sorted(counts) == [0, 1], res.tail()  # both ranks ran the blog's loop to its end
+    assert len({w for _, w, _ in finished}) == 1, finished  # with equal weights: the replicas stayed in step
     assert counts[0]["evaluation"] == 3 and counts[1]["evaluation"] == 0, counts
     # as many broadcasts on each rank: rank 0's three in evaluation took the place of three in training
     assert sum(counts[0].values()) == sum(counts[1].values()) == counts[1]["training"], counts
     assert counts[0]["training"] == counts[1]["training"] - 3, counts
     assert "rank 0 evaluated after the last epoch" not in res.stdout, res.tail()
+    seen = {(int(r), stage): float(v) for r, stage, v in
+            re.findall(r"^rank (\d) ((?:first|second|training) [^:]*): (\S+)$", res.stdout, re.M)}
+    rank_1 = [seen[(1, stage)] for stage in ("first forward, before any training", "second no_grad forward",
+                                             "first no_grad forward after training",
+                                             "second no_grad forward after training")]
+    assert rank_1 == [1.0, 2.0, 1.0, 2.0], seen  # 1.0: rank 0's statistics arrived; 2.0: rank 1 kept its own
+    assert {v for (r, _), v in seen.items() if r == 0} == {1.0}, seen
 
 
 _CYCLE = """
