@@ -167,7 +167,9 @@ def test_ucc_is_a_backend_for_cpu_and_cuda_tensors_that_the_installed_wheel_lack
 
     assert dist.Backend.UCC == "ucc" and dist.Backend.backend_capability["ucc"] == ["cpu", "cuda"]
     assert not dist.is_ucc_available() and not dist.is_mpi_available()
-    with pytest.raises(RuntimeError, match="Distributed package doesn't have UCC built in"):
+    # torch 2.14.1's words; torch 2.11 refuses it earlier, as a backend type it does not know
+    with pytest.raises((RuntimeError, AssertionError),
+                       match="Distributed package doesn't have UCC built in|Unknown c10d backend type UCC"):
         dist.init_process_group("ucc", store=dist.HashStore(), rank=0, world_size=1)
     assert not dist.is_initialized()
 
