@@ -5,6 +5,7 @@ limit)."""
 import _thread
 import json
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -436,9 +437,15 @@ def test_stopping_gpu_check_stops_every_stream_and_still_writes_the_report(tmp_p
                               "driver": None, "python": "", "executable": "", "cores": 2, "date": ""}, 1,
                               tmp_path / "scratch", [("Streams", ["sleeper0", "sleeper1"])], {})
     timer = threading.Timer(1.0, lambda: [wait_for(p, 10) for p in pidfiles] and _thread.interrupt_main())
-    timer.start()
-    code = gpu_check.run_one_command(gpu_check.OneCommand([], streams), report, lambda s: s, None)
-    timer.join()
+    # interrupt_main() acts as a Ctrl-C only where Python handles SIGINT: a suite started in the background by a
+    # shell without job control (`cmd &` in a script) inherits SIGINT ignored, and then nothing would arrive
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        timer.start()
+        code = gpu_check.run_one_command(gpu_check.OneCommand([], streams), report, lambda s: s, None)
+        timer.join()
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     pids = [int(wait_for(p, 1).split()[0]) for p in pidfiles]
     assert code == 130 and not any(alive(pid) for pid in pids), pids
     record = json.loads((tmp_path / "out/gpu_check_test.json").read_text())
