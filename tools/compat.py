@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SUITE_S = 1800  # the suite takes about 10 minutes on 2 cores; a run past half an hour is stopped
+SUITE_S = 1800  # the suite takes about 11 minutes on 2 cores; a run past half an hour is stopped
 TOOLS = ("tqdm", "pytest", "pytest-xdist", "pytest-timeout")  # what a GPU host's Python holds beside torch
 
 
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     torch_v, vision_v, cuda, py_v, gpus, matplotlib = probe.stdout.split()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # only what make gives its processes
     env.update(TQDM_DISABLE="1", PYTHONUNBUFFERED="1")
-    print(f"the whole suite with {python} (torch {torch_v}), as `make test PY=...` runs it (about 12 minutes on 2 "
+    print(f"the whole suite with {python} (torch {torch_v}), as `make test PY=...` runs it (about 11 minutes on 2 "
           "cores) ...", flush=True)
     suite = run_suite(python, env)
     date = time.strftime("%Y-%m-%d")
