@@ -1,4 +1,4 @@
-"""Step 5 of the MNIST chain: mixed precision (autocast + GradScaler) and SyncBatchNorm.
+"""Step 6 of the MNIST chain: mixed precision (autocast + GradScaler) and SyncBatchNorm.
 
     torchrun --standalone --nproc-per-node 2 06_amp_syncbn/mnist_amp_syncbn.py               # bf16 on CPU, fp16 on GPU
     torchrun --standalone --nproc-per-node 2 06_amp_syncbn/mnist_amp_syncbn.py --amp off --sync-bn

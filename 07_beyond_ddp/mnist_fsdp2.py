@@ -1,4 +1,4 @@
-"""Step 6 of the MNIST chain: the training of step 3 with FSDP2 (fully_shard): every rank holds 1/N of every weight,
+"""Step 7 of the MNIST chain: the training of step 3 with FSDP2 (fully_shard): every rank holds 1/N of every weight,
 of its gradient and of its optimizer state. The data side and the process group's life are the chain's.
 
 With --checkpoint-dir DIR it saves DIR/mnist_fsdp2/ after every epoch: the sharded checkpoint (each rank writes

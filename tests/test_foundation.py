@@ -122,10 +122,10 @@ COPYABLE = {
 
 @pytest.mark.slow
 def test_each_copyable_script_trains_from_an_empty_folder_offline_without_the_course(bare, data_dir, tmp_path):
-    """Each script as a user copies it: into an empty folder with only what it imports (common.py, and for step 5
+    """Each script as a user copies it: into an empty folder with only what it imports (common.py, and for step 6
     with --sync-bn syncbn_by_hand.py), run by an interpreter that holds torch but not the course (no tools, no
     workarounds), offline, on a data folder already on disk: the stand-in's files. One process each, started as
-    its README starts it (what 2 ranks do is the other tests'), but step 5 with 2: its batch norm all-reduces."""
+    its README starts it (what 2 ranks do is the other tests'), but step 6 with 2: its batch norm all-reduces."""
     data = tmp_path / "data"  # a prepared data folder, as `make data` leaves it
     shutil.copytree(data_dir, data, copy_function=os.link, ignore=shutil.ignore_patterns("*.lock"))
     env = {**BARE_ENV, **DEAD_PROXY, "OMP_NUM_THREADS": "1"}

@@ -116,7 +116,7 @@ NUMBER = re.compile(r"(?<![A-Za-z0-9_.])\d+(?:\.\d+)*")
 GLOSSARY = "\n## 术语表\n"  # the Chinese README's own last section: README.md has no counterpart
 # Numbers only the glossary writes that no CLAIMS.md row stated in README.zh-CN.md holds, each with what it counts.
 GLOSSARY_ONLY = {
-    "5": "step 5 of the MNIST chain (mnist_amp_syncbn.py), as docs/setup.md and 06's README number the steps",
+    "6": "step 6 of the MNIST chain (mnist_amp_syncbn.py), as docs/setup.md and 06's README number the steps",
 }
 
 

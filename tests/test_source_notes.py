@@ -29,7 +29,7 @@ NOTES_COMMANDS = [  # (where in the notes, the command with the course's script,
      "CUDA_VISIBLE_DEVICES=N in front of the command"),
     ("Kai Zhang's tutorial, one GPU, without -g", "01_dataparallel/mnist_single.py -e 1 -b 64", False, None),
     ("Kai Zhang's tutorial, TCP mode", "04_multinode_tcp/mnist_tcp.py --init_method tcp://127.0.0.1:29999 -g 0 "
-     "--rank 0 --world_size 4 --use_mix_precision", False, "mixed precision is step 5"),
+     "--rank 0 --world_size 4 --use_mix_precision", False, "mixed precision is step 6"),
     ("Kai Zhang's tutorial, TCP mode, step 4's way", "04_multinode_tcp/mnist_tcp.py --init_method "
      "tcp://127.0.0.1:29999 -g 0 --rank 0 --world_size 4", False, None),
     ("Kai Zhang's tutorial, ENV mode", "06_amp_syncbn/mnist_amp_syncbn.py --local_rank=0 --use_mix_precision", True,
@@ -41,9 +41,9 @@ NOTES_COMMANDS = [  # (where in the notes, the command with the course's script,
     ("the blog, resnet_ddp.py, with the course's flags", "06_amp_syncbn/cifar_resnet.py --local_rank=0 --epochs 2 "
      "--batch_size 32 --lr 0.1 --seed 0 --use_mix_precision", True, None),
     ("Kai Zhang's --use_mix_precision on the spawn step", "02_ddp_spawn/mnist_spawn.py --use_mix_precision", False,
-     "mixed precision is step 5"),
+     "mixed precision is step 6"),
     ("Kai Zhang's --use_mix_precision on the torchrun step", "03_ddp_torchrun/mnist_torchrun.py --local_rank=0 "
-     "--use_mix_precision", True, "mixed precision is step 5"),
+     "--use_mix_precision", True, "mixed precision is step 6"),
     ("the blog and the launch cheat-sheet, example.py", "03_ddp_torchrun/mnist_torchrun.py --local_world_size=2",
      True, "one process per GPU"),
     ("the DataParallel and DDP notes, torchrun ... --local_rank=0,1", "03_ddp_torchrun/mnist_torchrun.py "

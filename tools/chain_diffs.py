@@ -22,7 +22,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # (parent, step): each step of the MNIST chain and the script it changes. The main line runs 1 -> 2 -> 3 -> 4;
-# steps 5 and 6 build on step 3 (torchrun is how real jobs are launched), and DataParallel is a side branch of step 1.
+# steps 6 and 7 build on step 3 (torchrun is how real jobs are launched), and DataParallel is a side branch of step 1;
+# each step is numbered as its folder (section 05 is a side section with no step).
 CHAIN = [
     ("01_dataparallel/mnist_single.py", "01_dataparallel/mnist_dataparallel.py"),
     ("01_dataparallel/mnist_single.py", "02_ddp_spawn/mnist_spawn.py"),
@@ -33,7 +34,7 @@ CHAIN = [
 ]
 LIMIT = 70  # changed code lines (added + removed) a step may show: one lesson, its imports and its launcher
 # Scripts beside the chain that copy one of its steps, held to it by the same check so that their copies do not drift
-# unseen: (the step, the script, the changed lines it may show). cifar_resnet.py is step 5 with another data set and
+# unseen: (the step, the script, the changed lines it may show). cifar_resnet.py is step 6 with another data set and
 # model, its augmentation, gradient accumulation and evaluation every K epochs: more than one lesson, shown on a page
 # of its own (docs/cifar-resnet-diff.md) instead of in 06's README.
 SIDE = [("03_ddp_torchrun/mnist_torchrun.py", "07_beyond_ddp/mnist_zero_compile.py", LIMIT),

@@ -54,7 +54,7 @@ NOTES_SPELLINGS = {
     "--master_port": "--init-method tcp://ADDR:PORT in 04_multinode_tcp (or torchrun --master-port)",
     "--node_rank": "torchrun's --node-rank (or 04_multinode_tcp/mnist_tcp.py --node-rank)",
     "--nproc_per_node": "torchrun's --nproc-per-node", "--world_size": "torchrun's --nnodes x --nproc-per-node",
-    "--use_mix_precision": "06_amp_syncbn/mnist_amp_syncbn.py --use_mix_precision (mixed precision is step 5)",
+    "--use_mix_precision": "06_amp_syncbn/mnist_amp_syncbn.py --use_mix_precision (mixed precision is step 6)",
     "-g": "CUDA_VISIBLE_DEVICES=N in front of the command", "--gpuid": "CUDA_VISIBLE_DEVICES=N in front of the command",
 }
 
