@@ -17,7 +17,6 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
 import common
-from common import CIFAR_DATASETS, MNIST_DATASETS, free_port  # noqa: F401 - re-exported; no caller reads them so
 from tools.lines import parse_lines  # noqa: F401 - course.parse_lines, as the tests and tools call it
 from tools.util import UsageError, _atomic_write, atomic_write_bytes, say  # noqa: F401 - re-exported
 
