@@ -94,8 +94,8 @@ def test_gpu_check_plans_every_target_for_the_gpus_present(gpus, monkeypatch):
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])
 def test_the_one_command_fits_its_limits(gpus, capsys):
-    """The figures' limits plus those of any one stream add up to at most COMMAND_LIMIT_S, which leaves a minute of
-    the 10 a borrowed GPU machine gives one command; the figures come first and are the figures; the suite has a
+    """The figures' limits plus those of any one stream add up to at most COMMAND_LIMIT_S, which leaves two minutes
+    of the 10 a borrowed GPU machine gives one command; the figures come first and are the figures; the suite has a
     stream of its own; every step is in exactly one place, in the plan's order within its stream."""
     steps = gpu_check.plan(gpus, is_root=True, cores=CORES)
     cmd = gpu_check.one_command(steps)
