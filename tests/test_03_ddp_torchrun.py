@@ -156,7 +156,7 @@ def test_fail_at_mid_falls_in_the_last_epoch_of_real_mnist_on_8_ranks(tmp_path):
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: NVIDIA H100 (UUID: GPU-$i)\"; done\n")
     smi.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES" and k not in harness.OUTER_MAKE}
     dry = subprocess.run(["make", "-n", "--no-print-directory", "elastic-restart", "elastic-stress"], cwd=REPO,
                          capture_output=True, text=True, timeout=60,
                          env={**env, "PATH": f"{tmp_path}:{env['PATH']}"}).stdout

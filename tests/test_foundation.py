@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import common
-from harness import BARE_ENV, DEAD_PROXY, PYTHON, REPO, TEST_IMAGES, TORCHRUN, exits, make, python, run
+from harness import BARE_ENV, DEAD_PROXY, OUTER_MAKE, PYTHON, REPO, TEST_IMAGES, TORCHRUN, exits, make, python, run
 from tools import tracecheck
 
 
@@ -661,7 +661,7 @@ def dry_run(tmp_path, gpus: int, *make_args, visible: str | None = None) -> str:
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n" for i in range(gpus)))
     fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC", "NNODES")}
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", *OUTER_MAKE)}
     env["PATH"] = f"{tmp_path}:{env['PATH']}"
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible

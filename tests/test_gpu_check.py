@@ -4,6 +4,7 @@ limit)."""
 
 import _thread
 import json
+import os
 import re
 import signal
 import subprocess
@@ -23,6 +24,10 @@ from tools import course
 
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_check  # noqa: E402
+
+# `make test PY=...` passes PY to every make below it through MAKEFLAGS: a dry run that reads its own flags is
+# started without what the outer make left in the environment
+WITHOUT_OUTER_MAKE = {k: v for k, v in os.environ.items() if k not in harness.OUTER_MAKE}
 
 NOT_RUN_BY_GPU_CHECK = {"help", "setup", "data", "test", "test-fast", "notebooks", "diffs", "mutants", "lint", "clean",
                         "distclean", "check-nproc", "check-nnodes", "bench", "bench-quick", "gpu-check",
@@ -156,7 +161,8 @@ def test_every_make_step_exists_and_takes_its_variables(gpus):
     for step in gpu_check.plan(gpus, is_root=True):
         if step.cmd[0] != "make":
             continue
-        dry = subprocess.run(["make", "-n", *step.cmd[1:]], cwd=REPO, capture_output=True, text=True, timeout=60)
+        dry = subprocess.run(["make", "-n", *step.cmd[1:]], cwd=REPO, capture_output=True, text=True, timeout=60,
+                             env=WITHOUT_OUTER_MAKE)
         assert dry.returncode == 0, (step.name, dry.stderr)
         assert "No rule to make target" not in dry.stderr, step.name
 
@@ -240,7 +246,8 @@ def test_results_go_to_runs_unless_recorded_or_told():
     for extra, flags in (([], []), (["RECORD=1"], ["--record"]), (["OUT_DIR=/tmp/o"], ["--output-dir", "/tmp/o"]),
                          (["PART=targets-1"], ["--part", "targets-1"])):
         dry = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", *extra], cwd=REPO,
-                             capture_output=True, text=True, timeout=60).stdout.replace("\\\n", " ")
+                             capture_output=True, text=True, timeout=60,
+                             env=WITHOUT_OUTER_MAKE).stdout.replace("\\\n", " ")
         words = dry[dry.index("bench/gpu_check.py"):].split()[1:]
         assert words == flags, (extra, dry)
 
