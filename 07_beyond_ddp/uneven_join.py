@@ -35,6 +35,24 @@ class RankShard(IterableDataset):
             yield x, x[:5] * 2  # a learnable target for ToyModel's 5 outputs
 
 
+def train(args, rank: int) -> torch.Tensor:
+    """The loop, in a function of its own: the DDP model is dropped when it returns, before the group ends."""
+    torch.manual_seed(0)
+    model = DDP(common.ToyModel())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = DataLoader(RankShard(rank, args.batches, args.batch_size), batch_size=args.batch_size)
+    seen = torch.zeros(1)
+    # Join: a rank whose data has ended answers the others' all-reduces with zeros until every rank has ended
+    with Join([model], enable=args.join):  # enable=False: the loop as it would be without Join
+        for x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP: an all-reduce every rank must join; without Join rank 1's fifth finds no one
+            optimizer.step()
+            seen += len(x)
+    return seen
+
+
 @record
 def main():
     parser = argparse.ArgumentParser(description="Ranks with different numbers of batches, with and without Join.")
@@ -46,19 +64,7 @@ def main():
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     try:
-        torch.manual_seed(0)
-        model = DDP(common.ToyModel())
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        loader = DataLoader(RankShard(rank, args.batches, args.batch_size), batch_size=args.batch_size)
-        seen = torch.zeros(1)
-        # Join: a rank whose data has ended answers the others' all-reduces with zeros until every rank has ended
-        with Join([model], enable=args.join):  # enable=False: the loop as it would be without Join
-            for x, y in loader:
-                loss = F.mse_loss(model(x), y)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # DDP: an all-reduce every rank must join; without Join rank 1's fifth finds no one
-                optimizer.step()
-                seen += len(x)
+        seen = train(args, rank)
         if rank == 0:
             print(f"rank 0: trained on {int(seen)} samples, waiting for the others", flush=True)
         # Gloo: rank 0's next collective, a barrier that names the ranks that do not arrive within the timeout
