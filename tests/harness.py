@@ -290,6 +290,47 @@ def exits(calls: list[tuple], env: dict | None = None, timeout: float = 300) -> 
     return [tuple(r) for r in json.loads(res.stdout)]
 
 
+_DRIVER = r"""
+import json, os, shutil, sys, time
+from pathlib import Path
+import torch, torch._dynamo, torchvision  # once here, not in every fork: a DDP wrap imports dynamo (about a second)
+from tools import course, mutants, tracer
+exec(sys.argv[3])  # the test's own setup (faults to inject, say), before the tracer records what the scripts call
+tracer.install(sys.argv[2])
+results = []
+for step in json.loads(sys.argv[1]):
+    if "copy" in step:
+        shutil.copytree(*step["copy"])
+        continue
+    CRASH, start, per_rank = step.get("crash"), time.time(), step.get("rank_args")
+    codes, output = mutants.run(mutants.REPO / step["script"], step.get("how", "torchrun"), step["args"],
+                                Path(step["folder"]), timeout=120, nproc=step.get("nproc", 2),
+                                rank_args=per_rank and (lambda r: per_rank[r]))
+    folder = Path(step.get("listing") or "-")
+    listing = {p.name: sorted(q.name for q in p.iterdir()) if p.is_dir() else None
+               for p in sorted(folder.iterdir())} if folder.is_dir() else None
+    finals = course.parse_lines(output, "final")
+    results.append({"codes": codes, "output": output, "seconds": time.time() - start, "listing": listing,
+                    "final": finals[-1] if finals else {}})
+print(json.dumps(results))
+"""
+
+
+def drive(runs: list, tmp_path, setup: str = "", timeout: float = 280) -> list[dict]:
+    """Several runs of the course's scripts for the price of one start of torch: a driver imports torch once and
+    forks the ranks of each run (tools/mutants.run gives them torchrun's variables, or forks mp.spawn's children),
+    watched by the course's tracer. For tests whose claim is what a script computes, not how a launcher starts it
+    (the launchers have tests of their own). `runs`: a list of {"copy": [src, dst]} or a run: {"script" (from the
+    repository's root), "args", "folder" (its trace and output), optionally "how" ("torchrun", the default, or
+    "spawn"), "nproc" (2), "rank_args" (one list per rank, added to its arguments), "crash" (a name the setup code
+    reads as CRASH) and "listing" (a folder whose entries the result lists)}. One result per run: its exit codes,
+    the ranks' output, its last `final:` line as a dict, its seconds and the listing."""
+    import json
+
+    res = run([PYTHON, "-c", _DRIVER, json.dumps(runs), str(tmp_path / "driver-trace"), setup], timeout=timeout)
+    return json.loads(res.stdout)
+
+
 def make(*args, **kw) -> Result:
     """make TARGET ... with this interpreter: `make test PY=...` runs the targets with that PY too (a PY among
     `args` comes later on the command line and wins)."""

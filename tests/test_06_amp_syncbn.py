@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import common
-from harness import PYTHON, REPO, TEST_IMAGES, TORCHRUN, check_trace, make, run, traced
+from harness import PYTHON, REPO, TEST_IMAGES, TORCHRUN, check_trace, drive, make, run, traced
 from tools import tracecheck
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
@@ -62,16 +62,17 @@ def test_bf16_with_sync_bn_converges_like_fp32(data_dir, tmp_path):
 
 @pytest.mark.slow
 def test_scaler_state_survives_the_checkpoint_and_resume_continues_identically(data_dir, tmp_path):
-    """One process under torchrun (a DDP model of world size 1): the claim is the GradScaler's, which each rank keeps
-    for itself; the mutation check resumes cifar_resnet.py's with 2 ranks."""
-    base = [*TORCHRUN, "--standalone", "--nproc-per-node", "1", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
-            *STANDIN.format(data_dir).split(), "--amp", "fp16", "--max-steps", "8", "--batch-size", "16",
+    """One rank (a DDP model of world size 1): the claim is the GradScaler's, which each rank keeps for itself; the
+    mutation check resumes cifar_resnet.py's with 2 ranks. The runs share one start of torch (harness.drive)."""
+    base = [*STANDIN.format(data_dir).split(), "--amp", "fp16", "--max-steps", "8", "--batch-size", "16",
             "--device", "cpu"]
-    straight = run(base + ["--epochs", "2", "--checkpoint-dir", tmp_path / "A"], timeout=180)
-    assert straight.final["amp"] == "fp16"
-    run(base + ["--epochs", "1", "--checkpoint-dir", tmp_path / "B"], timeout=180)
-    resumed = run(base + ["--epochs", "2", "--checkpoint-dir", tmp_path / "B"], timeout=180)
-    assert "resumed from" in resumed.stdout
+    straight, first, resumed = drive([
+        {"script": "06_amp_syncbn/mnist_amp_syncbn.py", "nproc": 1, "folder": str(tmp_path / name),
+         "args": [*base, "--epochs", str(epochs), "--checkpoint-dir", str(tmp_path / folder)]}
+        for name, epochs, folder in (("straight", 2, "A"), ("first", 1, "B"), ("resumed", 2, "B"))], tmp_path)
+    assert [straight["codes"], first["codes"], resumed["codes"]] == [[0]] * 3, resumed["output"][-3000:]
+    assert straight["final"]["amp"] == "fp16"
+    assert "resumed from" in resumed["output"]
     a = torch.load(tmp_path / "A" / "mnist_amp_syncbn.pt", weights_only=True)
     b = torch.load(tmp_path / "B" / "mnist_amp_syncbn.pt", weights_only=True)
     assert a["scaler"] and a["scaler"] == b["scaler"], "GradScaler's scale and growth tracker are restored"
@@ -86,13 +87,16 @@ def test_two_ranks_of_b_equal_one_process_of_2b_through_the_real_scripts(data_di
     The DistributedSampler of epoch 0 and the baseline's RandomSampler draw the same permutation from the same
     seed, so the two ranks' first batches are together exactly the baseline's first batch. DDP averages the
     gradients and the all_reduce batch norm sees the 64 images, so the weights must agree to float rounding.
+    Both runs share one start of torch (harness.drive); the CPU on any machine: no TF32 convolutions.
     """
-    common_args = [*STANDIN.format(data_dir).split(), "--epochs", "1", "--max-steps", "1"]
-    run([PYTHON, REPO / "01_dataparallel/mnist_single.py", *common_args, "--batch-size", "64", "--device", "cpu",
-         "--checkpoint-dir", tmp_path / "one"], timeout=120)  # the CPU on any machine: no TF32 convolutions
-    run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", REPO / "06_amp_syncbn/mnist_amp_syncbn.py",
-         *common_args, "--batch-size", "32", "--amp", "off", "--sync-bn", "--device", "cpu",
-         "--checkpoint-dir", tmp_path / "two"], timeout=180)
+    common_args = [*STANDIN.format(data_dir).split(), "--epochs", "1", "--max-steps", "1", "--device", "cpu"]
+    single, ddp = drive([
+        {"script": "01_dataparallel/mnist_single.py", "nproc": 1, "folder": str(tmp_path / "single"),
+         "args": [*common_args, "--batch-size", "64", "--checkpoint-dir", str(tmp_path / "one")]},
+        {"script": "06_amp_syncbn/mnist_amp_syncbn.py", "folder": str(tmp_path / "ddp"),
+         "args": [*common_args, "--batch-size", "32", "--amp", "off", "--sync-bn",
+                  "--checkpoint-dir", str(tmp_path / "two")]}], tmp_path)
+    assert single["codes"] == [0] and ddp["codes"] == [0, 0], (single["output"] + ddp["output"])[-3000:]
     one = torch.load(tmp_path / "one" / "mnist_single.pt", weights_only=True)["model"]
     two = torch.load(tmp_path / "two" / "mnist_amp_syncbn.pt", weights_only=True)["model"]
     common.seed_everything(0)  # the scripts' default seed: the weights both started from

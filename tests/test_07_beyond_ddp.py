@@ -1,9 +1,9 @@
 """Section 07: FSDP2, ZeRO, torch.compile with DDP, uneven inputs with Join.
 
-Two launches prove most of it: a driver imports torch once and forks the ranks of each run (tools/mutants.run
-gives them torchrun's variables), so a dozen runs cost about what three torchrun jobs would. The driver also
-watches every run with the course's tracer, and can make rank 0 die at one point of its checkpoint's save (a fault
-injected from outside: the script is unchanged).
+Two launches prove most of it: a driver imports torch once and forks the ranks of each run (harness.drive:
+tools/mutants.run gives them torchrun's variables), so a dozen runs cost about what three torchrun jobs would. The
+driver also watches every run with the course's tracer, and can make rank 0 die at one point of its checkpoint's
+save (a fault injected from outside: the script is unchanged).
 """
 
 import argparse
@@ -16,21 +16,18 @@ import pytest
 import torch
 
 import common
+import harness
 from harness import PYTHON, REPO, exits, run
 
 # on the CPU also on a GPU machine: there --bf16 auto would train FSDP2 in bf16, which DDP's fp32 weights do not match
 STANDIN = ["--dataset", "mnist-standin", "--timeout", "30", "--epochs", "2", "--max-steps", "4", "--device", "cpu"]
-# the driver: RUNS is a list of {"copy": [src, dst]} or a run: {"script", "nproc", "args", "folder"} and optionally
-# "rank_args" (one list per rank, added to its arguments), "crash" (where rank 0 dies) and "listing" (a folder whose
-# entries, and theirs, the result lists after the run)
-_DRIVER = r"""
-import json, os, shutil, sys, time
-from pathlib import Path
-import torch, torch._dynamo, torch.distributed.checkpoint, torch.distributed.fsdp  # once here, not in every fork
+# the faults the driver (harness.drive) injects: CRASH names the point of mnist_fsdp2.py's save where rank 0 dies,
+# as killed, in one run (a fault from outside: the script is unchanged)
+_FAULTS = r"""
+import torch.distributed.checkpoint, torch.distributed.fsdp  # once in the driver, not in every fork
 from torch.distributed.checkpoint import filesystem
-from tools import mutants, tracer
 
-CRASH = None  # the point of mnist_fsdp2.py's save where rank 0 dies, as killed, in this run
+CRASH = None
 
 
 def crash(point):
@@ -55,26 +52,11 @@ def replace(src, dst, *args, _replace=os.replace, **kwargs):
 
 
 filesystem._FileSystemWriter.finish, torch.save, os.replace = finish, save, replace
-tracer.install(sys.argv[2])  # after the faults: it records what the script calls
-results = []
-for step in json.loads(sys.argv[1]):
-    if "copy" in step:
-        shutil.copytree(*step["copy"])
-        continue
-    CRASH, start, per_rank = step.get("crash"), time.time(), step.get("rank_args")
-    codes, output = mutants.run(mutants.REPO / step["script"], "torchrun", step["args"], Path(step["folder"]),
-                                timeout=120, nproc=step["nproc"], rank_args=per_rank and (lambda r: per_rank[r]))
-    folder = Path(step.get("listing") or "-")
-    listing = {p.name: sorted(q.name for q in p.iterdir()) if p.is_dir() else None
-               for p in sorted(folder.iterdir())} if folder.is_dir() else None
-    results.append({"codes": codes, "output": output, "seconds": time.time() - start, "listing": listing})
-print(json.dumps(results))
 """
 
 
-def drive(runs: list, tmp_path, timeout: float = 280) -> list[dict]:
-    res = run([PYTHON, "-c", _DRIVER, json.dumps(runs), str(tmp_path / "driver-trace")], timeout=timeout)
-    return json.loads(res.stdout)
+def drive(runs: list, tmp_path) -> list[dict]:
+    return harness.drive(runs, tmp_path, setup=_FAULTS)
 
 
 def load(path):
