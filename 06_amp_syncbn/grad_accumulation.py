@@ -79,7 +79,10 @@ def main():
                   f"gradient norm {every_step.norm():.7f}\n"
                   f"result: calls_no_sync={calls_no_sync} calls_every_step={calls_every} "
                   f"equal={d1 < 1e-6 and d2 < 1e-6}", flush=True)
-        dist.barrier()  # every rank finishes its work before any tears the group down
+        # every rank finishes its work before any tears the group down. Not dist.barrier(): on Gloo it holds on to
+        # the all-reduces still in flight, and a Gloo thread frees them after it returns; this script's hook gave
+        # them tensors that Python made, and freeing those while Python shuts down aborts the rank (05's README)
+        dist.monitored_barrier()
     finally:
         gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         dist.destroy_process_group()

@@ -206,6 +206,33 @@ def test_a_gloo_send_or_receive_is_completed_only_by_wait():
     assert send.is_completed() and recv.is_completed()
 
 
+def test_a_tensor_dropped_after_a_gloo_collective_lives_on_in_its_work_and_goes_with_it():
+    """README: a tensor handed to a Gloo collective and then dropped by Python stays alive, the same Python object,
+    as long as the collective's work holds it: whoever lets go of the work last (a Gloo thread, say) frees a Python
+    object. A one-rank Gloo group in this process."""
+    import datetime
+    import gc
+    import time
+    import weakref
+
+    import torch.distributed as dist
+
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+    tensor = torch.ones(3)
+    alive = weakref.ref(tensor)
+    work = group.allreduce([tensor])
+    work.wait()
+    del tensor
+    gc.collect()
+    assert alive() is not None, "dropped by Python, yet alive: the work holds it"
+    del work
+    deadline = time.time() + 10
+    while alive() is not None and time.time() < deadline:  # Gloo's thread may still hold the work for a moment
+        gc.collect()
+        time.sleep(0.01)
+    assert alive() is None, "freed once the work is"
+
+
 @pytest.mark.slow
 @pytest.mark.ranks(3)
 def test_exact_evaluation_vs_the_padded_count_in_a_finished_three_rank_job_each_way(tmp_path, monkeypatch, capsys):
@@ -498,7 +525,7 @@ def test_distributed_eval_runs_on_the_cpu_with_gloo_on_any_machine():
 
 
 def test_backend_matrix_gives_each_op_a_fresh_group_and_agrees_on_the_default_one():
-    """README: each op runs in a fresh process group, so that a failing op cannot disturb the next one's group;
+    """Its docstring: each op runs in a fresh process group, so that a failing op cannot disturb the next one's group;
     the ranks then agree on the mark over the default group."""
     tree = ast.parse((REPO / "05_collectives/backend_matrix.py").read_text())
     loop = next(node for node in ast.walk(tree) if isinstance(node, ast.For) and ast.unparse(node.iter) == "DTYPES")

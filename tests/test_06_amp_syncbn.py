@@ -124,6 +124,9 @@ def test_gradient_accumulation_with_no_sync():
     for without in ("", "out"):  # the averaged, accumulated DDP gradient equals it, with no_sync or without
         assert abs(counted[without][1] - norm) < 2e-7, (without, counted[without][1], norm)
     assert "result: calls_no_sync=1 calls_every_step=4 equal=True" in out
+    # its comm hook gives Gloo tensors that Python made: the last sync holds on to no collective in flight (05's README)
+    source = (REPO / "06_amp_syncbn/grad_accumulation.py").read_text()
+    assert "dist.monitored_barrier()" in source and "dist.barrier()\n" not in source
 
 
 @pytest.mark.slow
