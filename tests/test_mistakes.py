@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import common
-from harness import DEAD_PROXY, REPO, TAG, TORCHRUN, exits, kill_tagged, make, python, run, wait_gone
+import harness
+from harness import DEAD_PROXY, REPO, TAG, TORCHRUN, exits, kill_tagged, make, run, wait_gone
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
 
@@ -75,16 +76,28 @@ def test_a_checkpoint_that_is_not_this_scripts_is_one_line_and_left_as_it_is(tmp
 
 @pytest.mark.slow
 def test_an_existing_checkpoint_is_continued_never_overwritten(data_dir, tmp_path):
-    args = [*STANDIN.format(data_dir).split(), "--max-steps", "5", "--checkpoint-dir", tmp_path]
-    python("01_dataparallel/mnist_single.py", *args, "--epochs", "2", timeout=120)
-    saved = tmp_path / "mnist_single.pt"
-    before = saved.read_bytes()
-    again = python("01_dataparallel/mnist_single.py", *args, "--epochs", "1", timeout=120)  # a "fresh" short run
-    assert f"resumed from {saved} after epoch 2" in again.stdout and "final:" not in again.stdout
-    assert saved.read_bytes() == before, "a fresh run must not replace a finished one"
-    longer = python("01_dataparallel/mnist_single.py", *args, "--epochs", "3", timeout=120)
-    assert f"resumed from {saved} after epoch 2" in longer.stdout
-    assert longer.final["epochs"] == 3 and torch.load(saved, weights_only=True)["epoch"] == 3
+    """A script started again with the same --checkpoint-dir: 2 epochs, then a "fresh" run of 1 (nothing left to
+    train: the file stays as it is), then one of 3 (continues at epoch 3). The three starts share one start of torch
+    (harness.drive); the claim is the script's."""
+    args = [*STANDIN.format(data_dir).split(), "--max-steps", "5", "--checkpoint-dir", str(tmp_path / "ck")]
+    saved = tmp_path / "ck" / "mnist_single.pt"
+    setup = """
+_save = torch.save
+def save(obj, f, *a, **k):  # every save the scripts make is said in their output
+    print("saving", os.path.basename(str(f)), flush=True)
+    return _save(obj, f, *a, **k)
+torch.save = save
+"""
+    first, again, longer = harness.drive(
+        [{"script": "01_dataparallel/mnist_single.py", "nproc": 1, "folder": str(tmp_path / name),
+          "args": [*args, "--epochs", str(epochs)]} for name, epochs in (("first", 2), ("again", 1), ("longer", 3))],
+        tmp_path, setup=setup)
+    assert [first["codes"], again["codes"], longer["codes"]] == [[0]] * 3, longer["output"][-3000:]
+    assert first["final"]["epochs"] == 2
+    assert f"resumed from {saved} after epoch 2" in again["output"] and "final:" not in again["output"]
+    assert "saving" in first["output"] and "saving" not in again["output"], "a fresh run must not replace it"
+    assert f"resumed from {saved} after epoch 2" in longer["output"]
+    assert longer["final"]["epochs"] == 3 and torch.load(saved, weights_only=True)["epoch"] == 3
 
 
 @pytest.mark.parametrize("procs, refused", [(100000, True), (3, False)])
