@@ -12,7 +12,7 @@ import common
 from harness import BARE_ENV, PYTHON, REPO, TEST_IMAGES, check_trace, exits, make, python, run, traced
 from tools.standins import STANDIN_SIZES
 
-SHORT = "--dataset mnist-standin --data-dir {} --epochs 1 --max-steps 20 --timeout 60"
+SHORT = "--dataset mnist-standin --data-dir {} --epochs 1 --max-steps 5 --timeout 60"
 
 
 def first_epoch_checkpoint(path) -> dict:
