@@ -44,7 +44,7 @@ def test_three_processes_count_every_test_image_once(standin_dir, tmp_path):
     # a CPU re-evaluation exactly. On 3+ GPUs the run would evaluate with cuDNN (TF32 convolutions by default),
     # where one argmax in 4,000 that flips against the CPU's turns an exact comparison red.
     res = make("ddp-torchrun", "NPROC=3", "EPOCHS=1",
-               f"ARGS=--device cpu --max-steps 30 --checkpoint-dir {tmp_path / 'ck'} " + STANDIN.format(standin_dir),
+               f"ARGS=--device cpu --max-steps 10 --checkpoint-dir {tmp_path / 'ck'} " + STANDIN.format(standin_dir),
                env=traced(tmp_path / "trace"), timeout=240)
     assert res.final["world_size"] == 3
     assert res.final["test_samples"] == 4000, "4000 is not divisible by 3: no sample may be counted twice"
