@@ -177,22 +177,9 @@ def test_ucc_is_a_backend_for_cpu_and_cuda_tensors_that_the_installed_wheel_lack
 def test_a_gloo_send_or_receive_is_completed_only_by_wait():
     """README: with Gloo, is_completed() of an isend or irecv stays False until wait() has run, even with the data
     already in the receive buffer. Two Gloo groups of one job (ranks 0 and 1) in two threads of this process."""
-    import datetime
-    import threading
     import time
 
-    import torch.distributed as dist
-
-    store, groups = dist.HashStore(), {}
-
-    def join(rank):  # both ranks must connect at once
-        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    groups = _gloo_pair()
     sent, received = torch.tensor([100.0]), torch.zeros(1)
     send, recv = groups[0].send([sent], 1, 0), groups[1].recv([received], 0, 0)
     deadline = time.time() + 30
@@ -231,6 +218,71 @@ def test_a_tensor_dropped_after_a_gloo_collective_lives_on_in_its_work_and_goes_
         gc.collect()
         time.sleep(0.01)
     assert alive() is None, "freed once the work is"
+
+
+def _gloo_pair():
+    """Two Gloo groups of one job (ranks 0 and 1), made in two threads of this process."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    store, groups = dist.HashStore(), {}
+
+    def join(rank):  # both ranks must connect at once
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return groups
+
+
+@pytest.mark.parametrize("last", ["barrier", "monitored_barrier"])
+def test_a_gloo_barrier_keeps_the_collectives_in_flight_until_its_own_work_goes(last):
+    """README (why a finished Gloo job can abort at exit): rank 0 starts an all_reduce that rank 1 has not joined
+    yet, drops the tensor and the work, then syncs. After barrier(), the tensor is still alive, held through the
+    barrier's work, until that work goes (in a script, a Gloo thread frees it after barrier() returns);
+    monitored_barrier() holds nothing, and the tensor goes as soon as the all_reduce is done."""
+    import datetime
+    import gc
+    import threading
+    import time
+    import weakref
+
+    groups, go, timeout = _gloo_pair(), threading.Event(), datetime.timedelta(seconds=30)
+
+    def rank1():
+        go.wait(30)
+        groups[1].allreduce([torch.ones(3)]).wait()
+        groups[1].barrier().wait() if last == "barrier" else groups[1].monitored_barrier(timeout, True)
+
+    helper = threading.Thread(target=rank1)
+    helper.start()
+    tensor = torch.ones(3)
+    alive = weakref.ref(tensor)
+    groups[0].allreduce([tensor])  # in flight: rank 1 waits for `go`; the work is dropped at once
+    del tensor
+    if last == "barrier":
+        work = groups[0].barrier()  # started while the all_reduce is in flight
+        go.set()
+        work.wait()
+    else:
+        go.set()
+        groups[0].monitored_barrier(timeout, True)
+        work = None
+    helper.join(30)
+    time.sleep(0.3)  # time enough for Gloo's threads to let go of what they ran
+    gc.collect()
+    assert (alive() is not None) == (last == "barrier"), "barrier() keeps it, monitored_barrier() does not"
+    del work
+    deadline = time.time() + 10
+    while alive() is not None and time.time() < deadline:
+        time.sleep(0.01)
+        gc.collect()
+    assert alive() is None, "it goes with the barrier's work"
 
 
 @pytest.mark.slow
