@@ -154,7 +154,9 @@ def worker(rank, world_size, args):
                       "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
                       "micro_batches_no_sync": MICRO_BATCHES}
             timeline_report.write(Path(args.output_dir), config, results)
-        dist.barrier()
+        # every rank finishes before any leaves; on Gloo not barrier(), which would hold on to the hook's collectives
+        # still in flight for a Gloo thread to free, maybe while Python exits (05's README)
+        dist.monitored_barrier() if backend == "gloo" else dist.barrier()
     finally:
         gc.collect()  # a workaround, not DDP: free the DDP model (it lives in reference cycles) before its group
         dist.destroy_process_group()

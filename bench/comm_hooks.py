@@ -136,7 +136,8 @@ def main(argv=None):
                     f"{k} {v:.4g}" for k, v in results[f"{model_name}/{hook}"].items()))
         if rank == 0:
             report(args, cfg, results, device, backend)
-        dist.barrier()
+        # not barrier() on Gloo: it would hold on to the hooks' collectives in flight (05_collectives/README.md)
+        dist.monitored_barrier() if backend == "gloo" else dist.barrier()
     finally:
         workarounds.free_ddp_models()  # workaround: free DDP objects before the group goes, or exit can abort
         dist.destroy_process_group()

@@ -569,6 +569,17 @@ def test_the_scripts_end_with_a_barrier_and_none_skips_its_teardown_with_os_exit
             assert "dist.barrier()  # every rank finishes its work before any tears the group down" in source, script
 
 
+def test_every_script_with_a_comm_hook_ends_gloo_with_monitored_barrier():
+    """README (why a finished Gloo job can abort at exit): a comm hook written in Python gives Gloo tensors Python
+    made; every script that registers one ends, on Gloo, with monitored_barrier(), not barrier()."""
+    hooked = [path for path in REPO.glob("[0-9b]*/*.py") if "register_comm_hook(" in path.read_text()]
+    assert {p.name for p in hooked} >= {"grad_accumulation.py", "ddp_timeline.py", "comm_hooks.py"}, hooked
+    for path in hooked:
+        source = path.read_text()
+        assert "dist.monitored_barrier()" in source, path
+        assert not re.search(r"^\s*dist\.barrier\(\)", source, re.M), f"{path}: a bare dist.barrier() line"
+
+
 def test_distributed_eval_runs_on_the_cpu_with_gloo_on_any_machine():
     source = (REPO / "05_collectives/distributed_eval.py").read_text()
     inits = calls_in(ast.parse(source), "init_process_group")
