@@ -70,7 +70,8 @@ assert "gradients_averaged=True" in out
 # hold every training image once, each rank's order changes from epoch to epoch (`sampler.set_epoch`), and all
 # ranks end with the same weights and BatchNorm buffers.
 
-# %%
+# %% tags=["nbval-skip"]
+# (the tests run this script traced themselves: tests/test_02_ddp_spawn.py; nbval skips it to save time)
 import tempfile
 
 from nbhelpers import checks, shards
@@ -81,7 +82,7 @@ out = run("python 02_ddp_spawn/mnist_spawn.py --nproc 2 --dataset mnist-standin 
 for row in shards(trace):
     print(f"rank {row['rank']}, epoch {row['epoch']}: {row['samples']} samples, first {row['first']}")
 
-# %% tags=["check"] jupyter={"source_hidden": true}
+# %% tags=["nbval-skip", "check"] jupyter={"source_hidden": true}
 # the notebook's own checks (make test runs them; collapsed in Jupyter)
 verdicts = checks(trace)
 for name in ("shards", "order", "ddp", "buffers"):

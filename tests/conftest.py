@@ -80,11 +80,12 @@ def standin_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def bare(tmp_path_factory):
     """`PY=` for make: an interpreter that holds torch but not the course (harness.bare_python), checked to be so."""
-    python = harness.bare_python(tmp_path_factory.mktemp("bare-python"))
-    found = harness.run([python, "-c", "import importlib.util as u, torch; print(u.find_spec('common'))"],
-                        cwd=tmp_path_factory.mktemp("elsewhere"), env=harness.BARE_ENV)
-    assert found.stdout.strip() == "None", found.tail()  # torch imports, the course does not
-    return python
+    def make(root):  # made once for all workers of this run
+        python = harness.bare_python(root)
+        found = harness.run([python, "-c", "import importlib.util as u, torch; print(u.find_spec('common'))"],
+                            cwd=tmp_path_factory.mktemp("elsewhere"), env=harness.BARE_ENV)
+        assert found.stdout.strip() == "None", found.tail()  # torch imports, the course does not
+    return str(_made_once(tmp_path_factory, "bare-python", make) / "bin" / "python")
 
 
 @pytest.fixture(autouse=True)

@@ -148,7 +148,7 @@ def worker(rank):
 @pytest.mark.slow
 def test_mp_spawn_needs_the_main_guard(tmp_path):
     """Spawned children re-import the main module; an unguarded mp.spawn would run again in each."""
-    launch = "mp.spawn(worker, nprocs=2)"
+    launch = "mp.spawn(worker, nprocs=1)"  # one child shows it: each child re-imports the main module
     (tmp_path / "unguarded.py").write_text(UNGUARDED.replace("{launch}", launch))
     (tmp_path / "guarded.py").write_text(UNGUARDED.replace("{launch}", 'if __name__ == "__main__":\n    ' + launch))
     bad = run([PYTHON, "unguarded.py"], cwd=tmp_path, timeout=60, expect_rc=1)
@@ -156,7 +156,7 @@ def test_mp_spawn_needs_the_main_guard(tmp_path):
     # what the notes quote is only the parent's report; the child's own error above is the cause
     assert re.search(r"ProcessExitedException: process \d terminated with exit code 1", bad.stderr), bad.stderr
     good = run([PYTHON, "guarded.py"], cwd=tmp_path, timeout=60)
-    assert "worker 0 ran" in good.stdout and "worker 1 ran" in good.stdout
+    assert "worker 0 ran" in good.stdout
 
 
 # ------------------------------------------------------------------ mnist_spawn

@@ -302,3 +302,33 @@ def test_the_elastic_stress_passes_a_run_only_when_compare_checkpoints_says_true
     assert not stress.recovered(line.format("bitwise identical: False", "0.02"))
     assert not stress.recovered(line.format("identical within 1e-05 (trained on a GPU): False", "0.02"))
     assert not stress.recovered("")
+
+
+def test_stress_alternates_the_sides_run_by_run_and_counts_each(tmp_path, monkeypatch):
+    """bench/stress.py's bookkeeping, on a case of its own that runs nothing: run 1 with the workaround first, run 2
+    without it first, and so on; each side's passes counted apart; COURSE_WORKAROUNDS tells each command its side."""
+    from types import SimpleNamespace
+
+    import stress
+
+    seen = []
+
+    def case(on, nproc, tmp, timeout, device):
+        seen.append(on)
+        passed = on or len(seen) != 2  # run 1 without the workaround fails
+        return passed, "ok" if passed else "hung (stopped by the timeout)", ""
+
+    monkeypatch.setitem(stress.CASES, "fake", (case, "a case that runs nothing", 5))
+    monkeypatch.setattr(stress.common, "prepare_data", lambda *args, **kw: None)
+    assert stress.main(["fake", "--runs", "3", "--output-dir", str(tmp_path)]) == 0
+    assert seen == [True, False, False, True, True, False]
+    record = json.loads(next(tmp_path.glob("stress_fake_*.json")).read_text())
+    assert (record["runs"], record["passed_with_workaround"], record["passed_without_workaround"]) == (3, 3, 2)
+    assert [(r["run"], r["workaround"], r["passed"]) for r in record["per_run"]][:2] == [(1, True, True),
+                                                                                        (1, False, False)]
+    envs = []
+    monkeypatch.setattr(stress.benchlib, "run_bounded",
+                        lambda cmd, timeout, env: envs.append(env["COURSE_WORKAROUNDS"]) or SimpleNamespace(stdout="x"))
+    assert stress.outcome(["cmd"], True, 5, ok=lambda out: out == "x")[0]
+    assert not stress.outcome(["cmd"], False, 5, ok=lambda out: False)[0]
+    assert envs == ["on", "off"]

@@ -40,8 +40,8 @@ def doctor(script, *args, tmp_path, expect_rc, through_make=False, bare=None):
 CLEAN = ("ok", "advice")
 ALL_OK = {"shards": "ok", "order": "ok", "ddp": "ok", "eval": "ok", "eval_sum": "ok", "finish": CLEAN}
 CORPUS = {  # id: (script, its arguments, the doctor's exit code, verdicts expected, files the script writes)
-    "plain-loop": ("plain_loop.py", [], 0, ALL_OK, []),
-    # a training pass is told by its optimizer steps, not by autograd being on
+    # the plain loop, evaluating without no_grad: a training pass is told by its optimizer steps, not by autograd
+    # being on (the loop's other runs: crash-in-epoch-2, and the CUDA test below)
     "eval-without-no-grad": ("plain_loop.py", ["--eval-with-grad"], 0, ALL_OK, []),
     "crash-in-epoch-2": ("plain_loop.py", ["--crash-in-epoch", "2"], 2, {"finish": "failed", "shards": "ok"}, []),
     # BatchNorm evaluated through the wrapper, a padding DistributedSampler, two reduces to rank 0, no destroy

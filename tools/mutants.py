@@ -8,7 +8,8 @@ red for every break.
 For each script the unchanged copy runs first and must pass every check; then each mutation replaces one piece
 of it (the sampler, set_epoch, the DDP wrap, the evaluation all_reduce, the evaluation split, the buffer
 broadcast, the checkpoint's writer and its restore, LOCAL_RANK) in a copy, runs it with 2 ranks for 2 short epochs
-(with a checkpoint after each where the writer is the point), and reads the trace (tools/tracer.py) with
+(1 where the break shows in one: all but set_epoch's), with a checkpoint after each where the writer is the point,
+and reads the trace (tools/tracer.py) with
 tools/tracecheck.py. A mutation is caught when the check named for it says "wrong". Exit code 1 if any mutation
 survives or an unchanged script fails a check.
 
@@ -188,7 +189,7 @@ def _child(script: Path, argv: list[str], env: dict, trace_dir: Path, log: Path)
 
 def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float = 120,
         nproc: int = 2, nodes: int = 1, rank_args=None) -> tuple[list[int], str]:
-    """Start the ranks of `script` (2 of them; `nproc` for torchrun's kind, spread over `nodes` simulated nodes) and
+    """Start the ranks of `script` (`nproc` of them, spread over `nodes` simulated nodes for torchrun's kind) and
     wait; (exit codes, their output). rank_args(rank) adds arguments to one rank's (torchrun's kind)."""
     trace_dir.mkdir(parents=True, exist_ok=True)
     import common
@@ -196,7 +197,7 @@ def run(script: Path, how: str, args: list[str], trace_dir: Path, timeout: float
     port = common.free_port()
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     if how == "spawn":
-        ranks = [([*args, "--nproc", "2"], {**base, "COURSE_FORK_SPAWN": "1"})]
+        ranks = [([*args, "--nproc", str(nproc)], {**base, "COURSE_FORK_SPAWN": "1"})]
     elif how == "tcp":
         ranks = [([*args, "--init-method", f"tcp://127.0.0.1:{port}", "--world-size", "2", "--rank", str(r)], base)
                  for r in range(2)]
@@ -260,7 +261,10 @@ def check_script(rel: str, data_dir: str, work: Path, only: list[str] | None = N
         if name != "scaler-not-restored":
             saves = ["--checkpoint-dir", str(copy.parent / "checkpoint")] if name in ("unchanged", "every-rank-saves") \
                 else []  # the writer check's runs; the others need no checkpoint
-            codes, output = run(copy, how, [*args, *saves], copy.parent / "trace", nodes=nodes, rank_args=node_dirs)
+            # one epoch shows every break but set_epoch's (the order of a second epoch) and the unchanged run's
+            epochs = [] if name in ("unchanged", "no-set-epoch") else ["--epochs", "1"]
+            codes, output = run(copy, how, [*args, *epochs, *saves], copy.parent / "trace", nodes=nodes,
+                                rank_args=node_dirs)
             checks = [c for c in tracecheck.judge(copy.parent / "trace", tracecheck.CHECKS + tracecheck.MORE)
                       if c.name != "resume"]
         if rel in SCALER and name in ("unchanged", "scaler-not-restored"):
