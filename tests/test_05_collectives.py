@@ -636,14 +636,12 @@ def test_the_gallery_exits_1_when_a_case_misbehaves_and_runs_only_the_cases_aske
 @pytest.mark.slow
 def test_one_case_of_the_error_gallery_runs_by_hand_with_torchrun():
     """error_cases.py's docstring: torchrun runs one variant of one case; the broken one ends with PyTorch's own
-    message, the fixed one runs."""
+    message (that each fixed variant runs is the gallery's test, on the same function)."""
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1", "--nproc-per-node",
            "2", REPO / "05_collectives/error_cases.py", "different-models"]
     broken = run([*cmd, "broken"], timeout=120, expect_rc=None)
     assert broken.returncode != 0, broken.tail()
     assert "appears not to match sizes of the same param in process 0" in broken.output, broken.tail()
-    fixed = run([*cmd, "fixed"], timeout=120)
-    assert "every rank built the same model" in fixed.stdout, fixed.tail()
     # started without torchrun, it says how to start it, in argparse's words
     alone = run([PYTHON, REPO / "05_collectives/error_cases.py", "different-models", "broken"], expect_rc=2)
     assert "error: start me with torchrun" in alone.stderr, alone.tail()
