@@ -8,6 +8,7 @@ pytest-timeout, an assertion) kills the tagged processes first, and only those.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
@@ -316,19 +317,105 @@ print(json.dumps(results))
 """
 
 
-def drive(runs: list, tmp_path, setup: str = "", timeout: float = 280) -> list[dict]:
-    """Several runs of the course's scripts for the price of one start of torch: a driver imports torch once and
-    forks the ranks of each run (tools/mutants.run gives them torchrun's variables, or forks mp.spawn's children),
-    watched by the course's tracer. For tests whose claim is what a script computes, not how a launcher starts it
-    (the launchers have tests of their own). `runs`: a list of {"copy": [src, dst]} or a run: {"script" (from the
-    repository's root), "args", "folder" (its trace and output), optionally "how" ("torchrun", the default, or
-    "spawn"), "nproc" (2), "rank_args" (one list per rank, added to its arguments), "crash" (a name the setup code
-    reads as CRASH) and "listing" (a folder whose entries the result lists)}. One result per run: its exit codes,
-    the ranks' output, its last `final:` line as a dict, its seconds and the listing."""
-    import json
+# The drivers of one pytest worker are forked from one process that imported torch once (about 3 CPU-seconds a
+# start): it reads a request per line, forks a driver for it, waits for it (killing its process group after the
+# request's timeout) and answers with its exit code. It ends when the worker closes its standard input.
+_ZYGOTE = r"""
+import gc, json, os, signal, sys, time, traceback
+import torch, torch._dynamo, torchvision
+from tools import course, mutants, tracer
+gc.freeze()  # what is imported stays out of the collector's walks: the forks do not copy those pages by touching them
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setpgid(0, 0)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            for fd, path in ((1, req["result"]), (2, req["log"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            os.chdir(req["cwd"])
+            os.environ.clear()
+            os.environ.update(req["env"])
+            sys.argv = ["-c", *req["argv"]]
+            exec(compile(req["code"], "<driver>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline, code = time.time() + req["timeout"], None
+    while code is None and time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+        else:
+            time.sleep(0.05)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # what is left of the driver's process group; all of it after a timeout
+    except ProcessLookupError:
+        pass
+    if code is None:
+        os.waitpid(pid, 0)
+    print(json.dumps({"code": code}), flush=True)
+"""
+_zygote: subprocess.Popen | None = None
 
-    res = run([PYTHON, "-c", _DRIVER, json.dumps(runs), str(tmp_path / "driver-trace"), setup], timeout=timeout)
-    return json.loads(res.stdout)
+
+def _fork_server() -> subprocess.Popen:
+    """This worker's forking process (_ZYGOTE), started at its first drive() and ended with the worker."""
+    global _zygote
+    if _zygote is None or _zygote.poll() is not None:
+        env = {k: v for k, v in {**os.environ, **OUTER_MAKE, "PYTHONUNBUFFERED": "1"}.items() if v is not None}
+        _zygote = subprocess.Popen([PYTHON, "-c", _ZYGOTE], cwd=REPO, env=env, text=True, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        atexit.register(_end_fork_server, _zygote)
+    return _zygote
+
+
+def _end_fork_server(zygote: subprocess.Popen) -> None:
+    zygote.stdin.close()  # its loop ends
+    try:
+        zygote.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        zygote.kill()
+        zygote.wait()
+
+
+def drive(runs: list, tmp_path, setup: str = "", timeout: float = 280) -> list[dict]:
+    """Several runs of the course's scripts for the price of a fork: a driver forked from a process that imported
+    torch once for this pytest worker (_ZYGOTE) forks the ranks of each run (tools/mutants.run gives them torchrun's
+    variables, or forks mp.spawn's children), watched by the course's tracer. For tests whose claim is what a script
+    computes, not how a launcher starts it (the launchers have tests of their own). `runs`: a list of
+    {"copy": [src, dst]} or a run: {"script" (from the repository's root), "args", "folder" (its trace and output),
+    optionally "how" ("torchrun", the default, or "spawn"), "nproc" (2), "rank_args" (one list per rank, added to
+    its arguments), "crash" (a name the setup code reads as CRASH) and "listing" (a folder whose entries the result
+    lists)}. One result per run: its exit codes, the ranks' output, its last `final:` line as a dict, its seconds
+    and the listing. The driver's environment is this process's, as run() gives a command."""
+    import json
+    import select
+
+    result, log = tmp_path / "driver-result.json", tmp_path / "driver-log.txt"
+    env = {k: v for k, v in {**os.environ, **OUTER_MAKE, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}.items()
+           if v is not None}
+    zygote = _fork_server()
+    zygote.stdin.write(json.dumps({"code": _DRIVER, "argv": [json.dumps(runs), str(tmp_path / "driver-trace"), setup],
+                                   "result": str(result), "log": str(log), "cwd": str(REPO), "env": env,
+                                   "timeout": timeout}) + "\n")
+    zygote.stdin.flush()
+    ready, _, _ = select.select([zygote.stdout], [], [], timeout + 30)
+    answer = zygote.stdout.readline() if ready else ""
+    assert answer, f"the forking process did not answer within {timeout + 30:.0f} s"
+    code = json.loads(answer)["code"]
+    tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+    assert code == 0, f"the driver ended with {code if code is not None else f'a timeout of {timeout} s'}:\n{tail}"
+    return json.loads(result.read_text())
 
 
 def make(*args, **kw) -> Result:
