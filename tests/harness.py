@@ -274,21 +274,25 @@ print(json.dumps(results))
 """
 
 
-def exits(calls: list[tuple], env: dict | None = None, timeout: float = 300) -> list[tuple]:
+def exits(calls: list[tuple], env: dict | None = None, timeout: float = 300, fresh: bool = False) -> list[tuple]:
     """(exit code, stdout, stderr) of each call (SCRIPT, ARGV) or (SCRIPT, ARGV, ENV) that ends before it trains.
 
-    For help, bad input and checks: all calls run in one interpreter, which imports torch once instead of once
-    per call. `env` applies to every call, a call's ENV on top of it. The script's `__main__` block runs as usual
-    (COURSE_WORKAROUNDS=off: no workaround changes how it ends). A SystemExit with a message gives the message as
-    its code.
+    For help, bad input and checks: all calls run in one process forked from one that imported torch (forked()),
+    instead of starting Python and torch once per call. `env` applies to every call, a call's ENV on top of it. The
+    script's `__main__` block runs as usual (COURSE_WORKAROUNDS=off: no workaround changes how it ends). A SystemExit
+    with a message gives the message as its code. fresh: a new interpreter instead, for an `env` that torch reads as
+    it is imported (CXX: inductor's compiler, read into its config then).
     """
     import json
 
     payload = json.dumps([[str(REPO / call[0]), [str(a) for a in call[1]], call[2] if len(call) > 2 else {}]
                           for call in calls])
-    res = run([PYTHON, "-c", _IN_ONE_PROCESS, payload], env={**(env or {}), "COURSE_WORKAROUNDS": "off"},
-              timeout=timeout)
-    return [tuple(r) for r in json.loads(res.stdout)]
+    env = {**(env or {}), "COURSE_WORKAROUNDS": "off"}
+    if fresh:
+        return [tuple(r) for r in json.loads(run([PYTHON, "-c", _IN_ONE_PROCESS, payload], env=env,
+                                                 timeout=timeout).stdout)]
+    with tempfile.TemporaryDirectory(prefix="course-exits-") as tmp:
+        return [tuple(r) for r in json.loads(forked(_IN_ONE_PROCESS, [payload], Path(tmp), env, timeout))]
 
 
 _DRIVER = r"""
@@ -388,34 +392,45 @@ def _end_fork_server(zygote: subprocess.Popen) -> None:
         zygote.wait()
 
 
-def drive(runs: list, tmp_path, setup: str = "", timeout: float = 280) -> list[dict]:
-    """Several runs of the course's scripts for the price of a fork: a driver forked from a process that imported
-    torch once for this pytest worker (_ZYGOTE) forks the ranks of each run (tools/mutants.run gives them torchrun's
-    variables, or forks mp.spawn's children), watched by the course's tracer. For tests whose claim is what a script
-    computes, not how a launcher starts it (the launchers have tests of their own). `runs`: a list of
-    {"copy": [src, dst]} or a run: {"script" (from the repository's root), "args", "folder" (its trace and output),
-    optionally "how" ("torchrun", the default, or "spawn"), "nproc" (2), "rank_args" (one list per rank, added to
-    its arguments), "crash" (a name the setup code reads as CRASH) and "listing" (a folder whose entries the result
-    lists)}. One result per run: its exit codes, the ranks' output, its last `final:` line as a dict, its seconds
-    and the listing. The driver's environment is this process's, as run() gives a command."""
+def forked(code: str, argv: list[str], folder: Path, env: dict | None = None, timeout: float = 280) -> str:
+    """What `python -c CODE ARGV...` prints, run in a process forked from this worker's _ZYGOTE (torch imported
+    once), with the environment run() gives a command (plus `env`), from the repository's root; what torch read from
+    the environment as it was imported stays as the worker's environment had it. Its standard output and error go
+    to files in `folder`; an exit code other than 0, or the timeout, fails with the error's tail."""
     import json
     import select
 
-    result, log = tmp_path / "driver-result.json", tmp_path / "driver-log.txt"
-    env = {k: v for k, v in {**os.environ, **OUTER_MAKE, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}.items()
-           if v is not None}
+    result, log = folder / "forked-stdout.txt", folder / "forked-stderr.txt"
+    full_env = {k: v for k, v in {**os.environ, **OUTER_MAKE, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1",
+                                  **(env or {})}.items() if v is not None}
     zygote = _fork_server()
-    zygote.stdin.write(json.dumps({"code": _DRIVER, "argv": [json.dumps(runs), str(tmp_path / "driver-trace"), setup],
-                                   "result": str(result), "log": str(log), "cwd": str(REPO), "env": env,
-                                   "timeout": timeout}) + "\n")
+    zygote.stdin.write(json.dumps({"code": code, "argv": argv, "result": str(result), "log": str(log),
+                                   "cwd": str(REPO), "env": full_env, "timeout": timeout}) + "\n")
     zygote.stdin.flush()
     ready, _, _ = select.select([zygote.stdout], [], [], timeout + 30)
     answer = zygote.stdout.readline() if ready else ""
     assert answer, f"the forking process did not answer within {timeout + 30:.0f} s"
     code = json.loads(answer)["code"]
     tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
-    assert code == 0, f"the driver ended with {code if code is not None else f'a timeout of {timeout} s'}:\n{tail}"
-    return json.loads(result.read_text())
+    ended = code if code is not None else f"a timeout of {timeout} s"
+    assert code == 0, f"the forked process ended with {ended}:\n{tail}"
+    return result.read_text()
+
+
+def drive(runs: list, tmp_path, setup: str = "", timeout: float = 280) -> list[dict]:
+    """Several runs of the course's scripts for the price of a fork: a driver (forked(), from a process that
+    imported torch once for this pytest worker) forks the ranks of each run (tools/mutants.run gives them torchrun's
+    variables, or forks mp.spawn's children), watched by the course's tracer. For tests whose claim is what a script
+    computes, not how a launcher starts it (the launchers have tests of their own). `runs`: a list of
+    {"copy": [src, dst]} or a run: {"script" (from the repository's root), "args", "folder" (its trace and output),
+    optionally "how" ("torchrun", the default, or "spawn"), "nproc" (2), "rank_args" (one list per rank, added to
+    its arguments), "crash" (a name the setup code reads as CRASH) and "listing" (a folder whose entries the result
+    lists)}. One result per run: its exit codes, the ranks' output, its last `final:` line as a dict, its seconds
+    and the listing."""
+    import json
+
+    return json.loads(forked(_DRIVER, [json.dumps(runs), str(tmp_path / "driver-trace"), setup], tmp_path,
+                             timeout=timeout))
 
 
 def make(*args, **kw) -> Result:

@@ -353,7 +353,8 @@ def test_preflight_refuses_a_damaged_half_written_or_foreign_sharded_checkpoint_
     calls = [("tools/preflight.py", ["07_beyond_ddp/mnist_fsdp2.py", *standin, "--checkpoint-dir", folder])
              for folder in (tmp_path / "good", *cases.values())]
     calls.append(("tools/preflight.py", ["07_beyond_ddp/mnist_zero_compile.py", *standin, "--compile"]))
-    good_run, half, cut, garbage, toy, compile_ = exits(calls, env={"CXX": "no-such-c++-compiler"})
+    good_run, half, cut, garbage, toy, compile_ = exits(calls, env={"CXX": "no-such-c++-compiler"},
+                                                        fresh=True)  # CXX: read as torch is imported
     assert good_run[0] == 0, good_run
     for (code, _, err), words in ((half, "is half-written (no .metadata"), (cut, "is missing or cut short"),
                                   (garbage, ".metadata is damaged"), (toy, "is not a checkpoint of mnist_fsdp2.py"),
