@@ -397,6 +397,24 @@ def forked(code: str, argv: list[str], folder: Path, env: dict | None = None, ti
     once), with the environment run() gives a command (plus `env`), from the repository's root; what torch read from
     the environment as it was imported stays as the worker's environment had it. Its standard output and error go
     to files in `folder`; an exit code other than 0, or the timeout, fails with the error's tail."""
+    returncode, out, err = _forked(code, argv, folder, env, timeout)
+    ended = returncode if returncode is not None else f"a timeout of {timeout} s"
+    assert returncode == 0, f"the forked process ended with {ended}:\n{err[-4000:]}"
+    return out
+
+
+def in_fork(code: str, env: dict | None = None, timeout: float = 120) -> Result:
+    """run([PYTHON, "-c", code]) for a check in one process, forked as forked() forks (exit code 0 expected)."""
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="course-fork-") as tmp:
+        returncode, out, err = _forked(code, [], Path(tmp), env, timeout)
+    result = Result(["python", "-c", code], -9 if returncode is None else returncode, out, err, time.time() - start)
+    assert returncode == 0, f"expected exit 0\n{result.tail()}"
+    return result
+
+
+def _forked(code: str, argv: list[str], folder: Path, env: dict | None, timeout: float) -> tuple:
+    """(exit code or None after the timeout, standard output, standard error) of a process forked by _ZYGOTE."""
     import json
     import select
 
@@ -410,11 +428,8 @@ def forked(code: str, argv: list[str], folder: Path, env: dict | None = None, ti
     ready, _, _ = select.select([zygote.stdout], [], [], timeout + 30)
     answer = zygote.stdout.readline() if ready else ""
     assert answer, f"the forking process did not answer within {timeout + 30:.0f} s"
-    code = json.loads(answer)["code"]
-    tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
-    ended = code if code is not None else f"a timeout of {timeout} s"
-    assert code == 0, f"the forked process ended with {ended}:\n{tail}"
-    return result.read_text()
+    read = [p.read_text(errors="replace") if p.exists() else "" for p in (result, log)]
+    return json.loads(answer)["code"], *read
 
 
 def drive(runs: list, tmp_path, setup: str = "", timeout: float = 280) -> list[dict]:

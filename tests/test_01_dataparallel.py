@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import common
-from harness import PYTHON, REPO, TEST_IMAGES, make, python, run
+from harness import PYTHON, REPO, TEST_IMAGES, in_fork, make, python, run
 from tools import course
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the CPU path on any machine, GPUs or not
@@ -39,7 +39,7 @@ print("device_ids", wrapped.device_ids, "same output", same, "warnings", len(war
 
 
 def test_dataparallel_without_gpu_returns_exactly_what_the_module_returns():
-    out = run([PYTHON, "-c", DP_WITHOUT_GPU], env=NO_GPU).stdout
+    out = in_fork(DP_WITHOUT_GPU, env=NO_GPU).stdout
     assert "device_ids [] same output True warnings 0" in out  # no copy, no split, no warning
 
 

@@ -318,7 +318,7 @@ def test_init_device_mesh_starts_the_default_group_itself_with_gloo_for_the_cpu(
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(common.free_port())}
     # no backend named: the CPU gets Gloo, which get_backend() does not say ("undefined"); the config does (with
     # nccl for cuda where torch has CUDA: the mesh asks for both devices' backends)
-    out = run([PYTHON, "-c", code], env=env, timeout=120).stdout
+    out = harness.in_fork(code, env=env, timeout=120).stdout
     assert "group True 1 1 undefined " in out and "cpu:gloo" in out.split()[-1].split(","), out
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import common
-from harness import BARE_ENV, PYTHON, REPO, TEST_IMAGES, check_trace, exits, make, python, run, traced
+from harness import BARE_ENV, PYTHON, REPO, TEST_IMAGES, check_trace, exits, in_fork, make, python, run, traced
 from tools.standins import STANDIN_SIZES
 
 SHORT = "--dataset mnist-standin --data-dir {} --epochs 1 --max-steps 5 --timeout 60"
@@ -371,5 +371,5 @@ try:
 except RuntimeError as err:
     print(str(err).splitlines()[0])
 """
-    res = run([PYTHON, "-c", code], timeout=60)
+    res = in_fork(code, timeout=60)
     assert "gloo/context.cc" in res.stdout and "rank < size. 1 vs 1" in res.stdout, res.tail()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import common
-from harness import BARE_ENV, PYTHON, REPO, gloo_has_list_all_to_all, make, run
+from harness import BARE_ENV, PYTHON, REPO, gloo_has_list_all_to_all, in_fork, make, run
 
 # Gloo on CPU, as recorded in the project's measured facts: every op of the static table works
 # (reduce_scatter and all_to_all too, unlike the table); these fail.
@@ -452,7 +452,7 @@ dist.destroy_process_group()
 def raises_on_synced_buffers() -> bool:
     """What this torch does with two forwards before one backward when DDP copies the (frozen) BatchNorm buffers
     before each forward: one rank is enough to see it, apart from the gallery's own run."""
-    found = run([PYTHON, "-c", SYNCED_BUFFERS], timeout=60).stdout.split()
+    found = in_fork(SYNCED_BUFFERS, timeout=60).stdout.split()
     assert found in (["runs"], ["raises"]), found
     return found == ["raises"]
 
@@ -516,7 +516,7 @@ with warnings.catch_warnings(record=True) as caught:
 print(out.tolist(), [str(w.message)[:200] for w in caught])
 dist.destroy_process_group()
 """
-    res = run([PYTHON, "-c", code], timeout=120)
+    res = in_fork(code, timeout=120)
     assert res.stdout.startswith("[2.0, 2.0, 2.0]"), res.tail()
     # they warn where the new names exist (torch 2.13 on); in 2.11 they are the only names, and silent
     new = hasattr(torch.distributed, "all_gather_single")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import common
-from harness import PYTHON, REPO, TEST_IMAGES, TORCHRUN, check_trace, drive, make, run, traced
+from harness import REPO, TEST_IMAGES, TORCHRUN, check_trace, drive, in_fork, make, run, traced
 from tools import tracecheck
 
 STANDIN = "--dataset mnist-standin --data-dir {}"
@@ -278,7 +278,7 @@ for name, step in [("wrap", lambda: nn.parallel.DistributedDataParallel(model)),
         print(name, "raised:", str(err).splitlines()[0])
 dist.destroy_process_group()
 """
-    out = run([PYTHON, "-c", code], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120).stdout
+    out = in_fork(code, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120).stdout
     assert "wrap raised: SyncBatchNorm layers only work with GPU modules" in out, out
     assert "forward raised: SyncBatchNorm expected input tensor to be on GPU" in out, out
 
@@ -301,5 +301,5 @@ print(converted is model, kinds, before == {n: id(p) for n, p in model.named_par
 del model, converted
 dist.destroy_process_group()
 """
-    res = run([PYTHON, "-c", code], timeout=120)
+    res = in_fork(code, timeout=120)
     assert res.stdout.split() == ["True", "['SyncBatchNorm']", "True", "True"], res.tail()
