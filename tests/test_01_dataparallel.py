@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import common
-from harness import PYTHON, REPO, TEST_IMAGES, in_fork, make, python, run
+from harness import PYTHON, REPO, TEST_IMAGES, exits, in_fork, make, python, run
 from tools import course
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the CPU path on any machine, GPUs or not
@@ -238,13 +238,13 @@ def test_dataparallel_script_refuses_the_cpu_on_a_gpu_machine(monkeypatch, capsy
 
 @pytest.mark.parametrize("script", ["mnist_single.py", "mnist_dataparallel.py"])
 def test_the_preflight_names_no_backend_for_a_script_without_a_process_group(script, data_dir):
-    res = run([PYTHON, "tools/preflight.py", f"01_dataparallel/{script}", "--dataset", "mnist-standin", "--data-dir",
-               str(data_dir)], env=NO_GPU)
-    assert re.search(r"; this run: 1 process\(es\) per node on cpu$", res.stdout, re.M), res.stdout
-    assert "gloo" not in res.stdout and "nccl" not in res.stdout
-    ddp = run([PYTHON, "tools/preflight.py", "--nproc", "2", "03_ddp_torchrun/mnist_torchrun.py", "--dataset",
-               "mnist-standin", "--data-dir", str(data_dir)], env=NO_GPU)
-    assert "this run: 2 process(es) per node on cpu with gloo" in ddp.stdout  # a DDP script: its backend
+    standin = ["--dataset", "mnist-standin", "--data-dir", data_dir]
+    ddp_script = ["--nproc", "2", "03_ddp_torchrun/mnist_torchrun.py", *standin]
+    (code, out, _), ddp = exits([("tools/preflight.py", [f"01_dataparallel/{script}", *standin]),
+                                 ("tools/preflight.py", ddp_script)], env=NO_GPU)
+    assert code == 0 and re.search(r"; this run: 1 process\(es\) per node on cpu$", out, re.M), out
+    assert "gloo" not in out and "nccl" not in out
+    assert ddp[0] == 0 and "this run: 2 process(es) per node on cpu with gloo" in ddp[1]  # a DDP script: its backend
 
 
 @pytest.mark.cuda

@@ -168,17 +168,14 @@ def test_port_taken_and_bad_file_paths_get_clear_errors(tmp_path):
         res = python("04_multinode_tcp/mnist_tcp.py", "--init-method", f"tcp://127.0.0.1:{port}", "--world-size",
                      "1", "--rank", "0", "--timeout", "5", "--dataset", "mnist-standin", expect_rc=1, timeout=60)
     assert "EADDRINUSE" in res.stderr  # PyTorch's own words, by hand; the file:// checks are the preflight's
-    res = python("tools/preflight.py", "04_multinode_tcp/mnist_tcp.py", "--init-method",
-                 f"file://{tmp_path}/no/such/dir/init",
-                 "--world-size", "1", "--rank", "0", expect_rc=2)
-    assert "does not exist or is not writable" in res.stderr
     old = tmp_path / "old-init"
     old.write_text("")
     os.utime(old, (time.time() - 3600, time.time() - 3600))
-    res = python("tools/preflight.py", "04_multinode_tcp/mnist_tcp.py", "--init-method", f"file://{old}",
-                 "--world-size", "1",
-                 "--rank", "0", expect_rc=2)
-    assert "already exists, left by an earlier job" in res.stderr
+    missing, left = exits([("tools/preflight.py", ["04_multinode_tcp/mnist_tcp.py", "--init-method", init,
+                                                   "--world-size", "1", "--rank", "0"])
+                           for init in (f"file://{tmp_path}/no/such/dir/init", f"file://{old}")])
+    assert missing[0] == 2 and "does not exist or is not writable" in missing[2], missing
+    assert left[0] == 2 and "already exists, left by an earlier job" in left[2], left
 
 
 def test_a_file_init_path_is_refused_only_once_it_is_older_than_a_minute(tmp_path):
