@@ -298,7 +298,7 @@ def exits(calls: list[tuple], env: dict | None = None, timeout: float = 300, fre
 _DRIVER = r"""
 import json, os, shutil, sys, time
 from pathlib import Path
-import torch, torch._dynamo, torchvision  # once here, not in every fork: a DDP wrap imports dynamo (about a second)
+import torch, torch._dynamo, torchvision  # imported already in _ZYGOTE, which forks this driver: not in every rank
 from tools import course, mutants, tracer
 exec(sys.argv[3])  # the test's own setup (faults to inject, say), before the tracer records what the scripts call
 tracer.install(sys.argv[2])

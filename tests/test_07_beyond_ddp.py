@@ -1,6 +1,6 @@
 """Section 07: FSDP2, ZeRO, torch.compile with DDP, uneven inputs with Join.
 
-Two launches prove most of it: a driver imports torch once and forks the ranks of each run (harness.drive:
+Two launches prove most of it: a driver forked with torch imported forks the ranks of each run (harness.drive:
 tools/mutants.run gives them torchrun's variables), so a dozen runs cost about what three torchrun jobs would. The
 driver also watches every run with the course's tracer, and can make rank 0 die at one point of its checkpoint's
 save (a fault injected from outside: the script is unchanged).
